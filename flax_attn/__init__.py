@@ -1,0 +1,49 @@
+"""flax_attn: attention variants and positional encodings for JAX/Flax, each held equal to a
+PyTorch reference (``torch_ref``) by parity tests.
+
+Layers of the package (imports point down):
+
+1. functional core: :mod:`flax_attn.attention`, :mod:`flax_attn.masks`,
+   :mod:`flax_attn.positional`, :mod:`flax_attn.basics`;
+2. modules (Flax Linen): :mod:`flax_attn.chapter`, :mod:`flax_attn.transformer`;
+3. interop: :mod:`flax_attn.interop` (PyTorch state_dict <-> Flax params, NumPy only).
+"""
+from flax_attn import basics, interop, masks
+from flax_attn.attention import dot_product_attention, dropout, masked_softmax, scaled_dot_product_attention
+from flax_attn.chapter import (
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+    count_parameters,
+)
+from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
+from flax_attn.masks import create_causal_mask
+from flax_attn.positional import positional_encoding, sinusoidal_positions
+from flax_attn.transformer import TransformerMultiHeadAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CausalAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "StateDictError",
+    "TransformerMultiHeadAttention",
+    "basics",
+    "count_parameters",
+    "create_causal_mask",
+    "dot_product_attention",
+    "dropout",
+    "from_torch_state_dict",
+    "interop",
+    "masked_softmax",
+    "masks",
+    "positional_encoding",
+    "scaled_dot_product_attention",
+    "sinusoidal_positions",
+    "to_torch_state_dict",
+]

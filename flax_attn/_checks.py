@@ -1,0 +1,86 @@
+"""Validation helpers: each raises before any computation, naming the argument and quoting shapes.
+
+All checks read static information only (shapes, dtypes, Python numbers), so they fire
+the same way eagerly and under ``jax.jit``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def shape_of(x) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def check_rank(name: str, x, ranks: int | Sequence[int], layout: str) -> None:
+    """Raise unless ``x`` has one of ``ranks`` dimensions; ``layout`` names them (e.g. 'BTNH')."""
+    ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    if np.ndim(x) not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ValueError(f"{name} must have rank {want} ({layout}), got shape {shape_of(x)}")
+
+
+def dtype_of(x) -> np.dtype:
+    """The dtype of an array, tracer or array-like, without converting tracers."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def check_floating(name: str, x) -> None:
+    dtype = dtype_of(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+
+
+def check_bool(name: str, x) -> None:
+    dtype = dtype_of(x)
+    if dtype != np.bool_:
+        raise TypeError(
+            f"{name} must be a boolean array (True = may attend), got dtype {dtype}; "
+            f"convert a 0/1 mask with `{name}.astype(bool)`, pass an additive mask as `bias`"
+        )
+
+
+def check_integer(name: str, x) -> None:
+    dtype = dtype_of(x)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {dtype}")
+
+
+def check_broadcast(name: str, x, target: Sequence[int], layout: str) -> tuple[int, ...]:
+    """Raise unless ``x`` broadcasts to ``target`` (each dim 1 or equal, rank at most len(target)).
+
+    Returns the shape left-padded with ones to the target's rank.
+    """
+    shape = shape_of(x)
+    target = tuple(int(t) for t in target)
+    padded = (1,) * (len(target) - len(shape)) + shape
+    if len(shape) > len(target) or any(s not in (1, t) for s, t in zip(padded, target)):
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to {layout} = {target}"
+        )
+    return padded
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_divides(num_name: str, num: int, den_name: str, den: int) -> None:
+    if den < 1 or num % den != 0:
+        raise ValueError(f"{num_name} ({num}) must be divisible by {den_name} ({den})")
+
+
+def check_rate(name: str, rate) -> None:
+    if not isinstance(rate, (int, float, np.floating, np.integer)) or isinstance(rate, bool):
+        raise TypeError(f"{name} must be a float in [0, 1), got {rate!r}")
+    if not 0.0 <= float(rate) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {rate!r}")
+
+
+def check_one_of(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

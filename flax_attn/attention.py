@@ -1,0 +1,285 @@
+"""The attention function under every flax_attn module.
+
+    out = softmax(scale * Q K^T + bias, masked) V
+
+One function, :func:`dot_product_attention`, computes it for every variant: multi-head,
+grouped-query and multi-query (K key/value heads shared by N query heads), causal,
+sliding-window, padded, packed, cross-attention and cached decoding. It follows the
+calling convention of ``jax.nn.dot_product_attention`` and adds what that one lacks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from flax_attn import _checks
+from flax_attn import masks as masks_lib
+
+Array = Any
+PrecisionLike = Any
+
+IMPLEMENTATIONS = ("xla",)
+
+
+def masked_softmax(logits, mask=None, axis: int = -1):
+    """Softmax over ``axis`` where ``mask`` is False contributes nothing.
+
+    A row in which nothing may be attended to (all False, or all logits ``-inf``)
+    returns zeros, and its gradient is zero: never NaN. Computed in ``logits.dtype``.
+    """
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=axis, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, jnp.zeros_like(row_max))
+    unnormalized = jnp.exp(logits - lax.stop_gradient(row_max))
+    denom = jnp.sum(unnormalized, axis=axis, keepdims=True)
+    return unnormalized / jnp.where(denom == 0, jnp.ones_like(denom), denom)
+
+
+def dropout(x, rate: float, rng) -> Array:
+    """Inverted dropout: zero each entry with probability ``rate``, scale the rest by 1/(1-rate).
+
+    A pure function of ``rng``: the same key gives the same mask. ``rate`` must be in [0, 1);
+    ``rate == 0`` returns ``x`` unchanged.
+    """
+    _checks.check_rate("dropout rate", rate)
+    if rate == 0.0:
+        return x
+    if rng is None:
+        raise ValueError("dropout with rate > 0 needs a PRNG key (got rng=None)")
+    keep = jax.random.bernoulli(rng, 1.0 - rate, jnp.shape(x))
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
+
+
+def _check_positions(name: str, positions, batch: int, length: int):
+    if positions is None:
+        return None
+    _checks.check_integer(name, positions)
+    shape = _checks.shape_of(positions)
+    if shape not in ((length,), (batch, length), (1, length)):
+        raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
+    return jnp.asarray(positions, jnp.int32)
+
+
+def _check_lengths(name: str, lengths, batch: int):
+    if lengths is None:
+        return None
+    _checks.check_integer(name, lengths)
+    if _checks.shape_of(lengths) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {_checks.shape_of(lengths)}")
+    return jnp.asarray(lengths, jnp.int32)
+
+
+def _grouped(x, num_kv_heads: int, group: int):
+    """(b, n, T, S) with n in {1, N} -> (b, K|1, G|1, T, S) to match grouped logits."""
+    b, n, t, s = x.shape
+    if n == 1:
+        return x[:, :, None]
+    return x.reshape(b, num_kv_heads, group, t, s)
+
+
+def _attention_xla(query, key, value, bias, mask, *, scale, logit_softcap, dropout_rate,
+                   dropout_rng, precision, return_weights):
+    """Reference path: materialises the (B, N, T, S) logits. Inputs already validated, 4-D."""
+    B, T, N, H = query.shape
+    S, K = key.shape[1], key.shape[2]
+    G = N // K
+    acc = jnp.promote_types(query.dtype, jnp.float32)
+    q = query.reshape(B, T, K, G, H)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, precision=precision,
+                        preferred_element_type=acc)
+    logits = logits * jnp.asarray(scale, acc)
+    if logit_softcap is not None:
+        cap = jnp.asarray(logit_softcap, acc)
+        logits = cap * jnp.tanh(logits / cap)
+    if bias is not None:
+        logits = logits + _grouped(bias, K, G).astype(acc)
+    weights = masked_softmax(logits, None if mask is None else _grouped(mask, K, G))
+    if dropout_rate > 0.0:
+        weights = dropout(weights, dropout_rate, dropout_rng)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(value.dtype), value,
+                     precision=precision, preferred_element_type=acc)
+    out = out.reshape(B, T, N, value.shape[-1]).astype(query.dtype)
+    if return_weights:
+        return out, weights.reshape(B, N, T, S).astype(query.dtype)
+    return out
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    query_positions=None,
+    key_positions=None,
+    query_segment_ids=None,
+    key_segment_ids=None,
+    logit_softcap: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    deterministic: bool = False,
+    return_weights: bool = False,
+    precision: PrecisionLike = None,
+    implementation: Optional[str] = None,
+):
+    r"""Scaled dot-product attention for every head:
+
+    .. math::  \mathrm{out} = \mathrm{softmax}(s \cdot QK^T \text{ [soft-capped]} + \mathrm{bias}
+               \text{ [masked]})\, V,\qquad s = 1/\sqrt{H} \text{ unless given.}
+
+    Args:
+      query: ``(B, T, N, H)`` or unbatched ``(T, N, H)``.
+      key: ``(B, S, K, H)`` or ``(S, K, H)``. ``K`` must divide ``N``: ``K == N`` is multi-head
+        attention, ``1 < K < N`` grouped-query, ``K == 1`` multi-query; one code path.
+      value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``; ``Hv`` may differ from ``H``.
+      bias: additive, floating, broadcastable to ``(B, N, T, S)`` (ALiBi, T5 relative bias).
+      mask: boolean, True = may attend, broadcastable to ``(B, N, T, S)``.
+      scale: multiplies the logits; default ``1/sqrt(H)``.
+      is_causal: a query may attend to keys at its own position or earlier.
+      query_seq_lengths: ``(B,)`` int; queries at index >= length attend to nothing (zeros out).
+      key_value_seq_lengths: ``(B,)`` int; keys at index >= length are blocked.
+      local_window_size: ``w`` or ``(left, right)``: a query at position p may attend to keys
+        at positions ``p - left .. p + right`` (``left + 1 + right`` keys, the
+        ``jax.nn.dot_product_attention`` convention; ``w`` means ``(w, w)``). A causal sliding
+        window of W keys including the current one (Mistral) is ``(W - 1, 0)`` with
+        ``is_causal=True``.
+      query_positions, key_positions: ``(T,)``/``(B, T)`` and ``(S,)``/``(B, S)`` int positions
+        used by ``is_causal`` and ``local_window_size``. Default: keys at ``0..S-1`` and queries
+        at the *last* T of them (query t at ``t + S - T``), as when decoding with a cache.
+      query_segment_ids, key_segment_ids: int ids of packed sequences, shapes as positions;
+        attention never crosses segments. Give both or neither.
+      logit_softcap: ``c``: logits become ``c * tanh(logits / c)`` before bias and mask.
+      dropout_rate: dropout on the attention weights (inverted scaling), in [0, 1).
+      dropout_rng: PRNG key; required when ``dropout_rate > 0`` and not ``deterministic``.
+      deterministic: disable dropout.
+      return_weights: also return the attention weights ``(B, N, T, S)`` (after dropout).
+      precision: passed to both matmuls (``jax.lax.Precision`` or a string like 'highest').
+      implementation: 'xla' (the plain path), or None to choose.
+
+    Returns:
+      ``(B, T, N, Hv)`` (``(T, N, Hv)`` if unbatched) in ``query.dtype``; with
+      ``return_weights``, ``(out, weights)``.
+
+    Notes:
+      A query row that may attend to nothing returns zeros with zero gradients, never NaN
+      (``jax.nn.dot_product_attention`` returns the average of the values there instead).
+      Logits and softmax are computed in at least float32, whatever the input dtype.
+      With ``T != S`` the causal mask is aligned to the end of the keys (see
+      ``query_positions``); ``jax.nn.dot_product_attention`` aligns it to the start.
+    """
+    _checks.check_rank("query", query, (3, 4), "BTNH or TNH")
+    unbatched = np.ndim(query) == 3
+    _checks.check_rank("key", key, np.ndim(query), "BSKH" if not unbatched else "SKH")
+    _checks.check_rank("value", value, np.ndim(query), "BSKH" if not unbatched else "SKH")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.check_floating(name, x)
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    B, T, N, H = _checks.shape_of(query)
+    kB, S, K, kH = _checks.shape_of(key)
+    if kB != B or _checks.shape_of(value)[:3] != (B, S, K):
+        raise ValueError(
+            f"query, key and value must agree on batch, and key and value on length and heads: "
+            f"query {_checks.shape_of(query)}, key {_checks.shape_of(key)}, value {_checks.shape_of(value)}"
+        )
+    if kH != H:
+        raise ValueError(f"query and key head dims differ: query {(B, T, N, H)}, key {(kB, S, K, kH)}")
+    _checks.check_divides("number of query heads N", N, "number of key/value heads K", K)
+    target = (B, N, T, S)
+    if bias is not None:
+        _checks.check_floating("bias", bias)
+        bias = jnp.asarray(bias).reshape(_checks.check_broadcast("bias", bias, target, "(B, N, T, S)"))
+    if mask is not None:
+        _checks.check_bool("mask", mask)
+        mask = jnp.asarray(mask).reshape(_checks.check_broadcast("mask", mask, target, "(B, N, T, S)"))
+    query_seq_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, B)
+    key_value_seq_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, B)
+    window = masks_lib.normalize_window(local_window_size)
+    query_positions = _check_positions("query_positions", query_positions, B, T)
+    key_positions = _check_positions("key_positions", key_positions, B, S)
+    if (query_segment_ids is None) != (key_segment_ids is None):
+        raise ValueError("query_segment_ids and key_segment_ids must be given together")
+    query_segment_ids = _check_positions("query_segment_ids", query_segment_ids, B, T)
+    key_segment_ids = _check_positions("key_segment_ids", key_segment_ids, B, S)
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be a positive number, got {logit_softcap!r}")
+    _checks.check_rate("dropout_rate", dropout_rate)
+    if deterministic:
+        dropout_rate = 0.0
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError("dropout_rate > 0 needs dropout_rng (or deterministic=True)")
+    if implementation is not None:
+        _checks.check_one_of("implementation", implementation, IMPLEMENTATIONS)
+
+    default_q, default_k = masks_lib.default_positions(T, S)
+    q_pos = default_q if query_positions is None else query_positions
+    k_pos = default_k if key_positions is None else key_positions
+    structural = masks_lib.combine_masks(
+        masks_lib.causal_mask(q_pos, k_pos) if is_causal else None,
+        masks_lib.window_mask(q_pos, k_pos, window) if window is not None else None,
+        masks_lib.length_mask(T, S, query_seq_lengths, key_value_seq_lengths),
+        None if query_segment_ids is None else masks_lib.segment_mask(query_segment_ids, key_segment_ids),
+    )
+    if structural is not None:
+        structural = structural.reshape((-1, 1, T, S))  # (B|1, 1, T, S): the same for all heads
+    full_mask = masks_lib.combine_masks(mask, structural)
+
+    result = _attention_xla(
+        query, key, value, bias, full_mask, scale=scale, logit_softcap=logit_softcap,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, precision=precision,
+        return_weights=return_weights,
+    )
+    if unbatched:
+        return (result[0][0], result[1][0]) if return_weights else result[0]
+    return result
+
+
+def scaled_dot_product_attention(Q, K, V, mask=None, *, precision: PrecisionLike = None):
+    r"""The Transformer notes' function: ``softmax(Q K^T / sqrt(d_k)) V`` over the last two axes.
+
+    Args:
+      Q: ``(..., T, d_k)``.
+      K: ``(..., S, d_k)``, the same leading dimensions as ``Q``.
+      V: ``(..., S, d_v)``.
+      mask: boolean, True = may attend, broadcastable to ``(..., T, S)``.
+
+    Returns:
+      ``(output, weights)``: ``(..., T, d_v)`` and ``(..., T, S)``.
+
+    The original blocks with ``-1e9`` where ``mask == 0``, so a fully blocked row gets the
+    uniform average of the values; here it gets zeros (see ``dot_product_attention``).
+    Its mask is 0/1 floats; pass ``mask.astype(bool)``.
+    """
+    for name, x in (("Q", Q), ("K", K), ("V", V)):
+        _checks.check_rank(name, x, tuple(range(2, 9)), "(..., length, dim)")
+    lead, (T, dk) = _checks.shape_of(Q)[:-2], _checks.shape_of(Q)[-2:]
+    S = _checks.shape_of(K)[-2]
+    if (_checks.shape_of(K)[:-2] != lead or _checks.shape_of(V)[:-2] != lead
+            or _checks.shape_of(K)[-1] != dk or _checks.shape_of(V)[-2] != S):
+        raise ValueError(
+            f"Q (..., T, d_k), K (..., S, d_k) and V (..., S, d_v) must share leading dims, d_k and S: "
+            f"got Q {_checks.shape_of(Q)}, K {_checks.shape_of(K)}, V {_checks.shape_of(V)}"
+        )
+    if mask is not None:
+        _checks.check_bool("mask", mask)
+        _checks.check_broadcast("mask", mask, lead + (T, S), "(..., T, S)")
+        mask = jnp.broadcast_to(mask, lead + (T, S)).reshape(-1, 1, T, S)
+    flat = lambda x: jnp.reshape(x, (-1,) + _checks.shape_of(x)[-2:])[:, :, None, :]
+    out, weights = dot_product_attention(
+        flat(Q), flat(K), flat(V), mask=mask, return_weights=True, precision=precision
+    )
+    return out[:, :, 0, :].reshape(lead + (T, -1)), weights[:, 0].reshape(lead + (T, S))

@@ -1,0 +1,69 @@
+"""torch_ref: PyTorch references for flax_attn.
+
+The seeds' originals (``torch_ref.chapter``, ``torch_ref.basics``, ``torch_ref.transformer``)
+behave exactly as the chapter's code, so ``torch.manual_seed`` reproduces its printed
+numbers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from torch_ref import basics
+from torch_ref.chapter import (
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+    count_parameters,
+)
+from torch_ref.transformer import MultiHeadAttention as TransformerMultiHeadAttention
+from torch_ref.transformer import create_causal_mask, positional_encoding, scaled_dot_product_attention
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU NumPy copy of ``tensor``, bit for bit; bfloat16 becomes ``ml_dtypes.bfloat16``."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return tensor.numpy().copy()
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor of ``array``, bit for bit (``ml_dtypes.bfloat16`` becomes bfloat16)."""
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array).copy())
+
+
+def state_dict_to_numpy(state_dict) -> dict[str, np.ndarray]:
+    """``module.state_dict()`` as NumPy arrays, the form ``flax_attn.from_torch_state_dict`` takes."""
+    return {name: to_numpy(t) for name, t in state_dict.items()}
+
+
+def state_dict_from_numpy(arrays) -> dict[str, torch.Tensor]:
+    """NumPy arrays (``flax_attn.to_torch_state_dict``'s output) for ``module.load_state_dict``."""
+    return {name: from_numpy(a) for name, a in arrays.items()}
+
+
+__all__ = [
+    "CausalAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "TransformerMultiHeadAttention",
+    "basics",
+    "count_parameters",
+    "create_causal_mask",
+    "from_numpy",
+    "positional_encoding",
+    "scaled_dot_product_attention",
+    "state_dict_from_numpy",
+    "state_dict_to_numpy",
+    "to_numpy",
+]
