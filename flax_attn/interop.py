@@ -129,13 +129,18 @@ def params_from_state_dict(state_dict: Mapping[str, Any], template, *,
 
 
 def params_to_state_dict(params, *, buffers: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Convert a Flax ``params`` tree (without the 'params' key) to a state_dict of NumPy arrays."""
+    """Convert a Flax ``params`` tree (without the 'params' key) to a state_dict of NumPy arrays.
+
+    Buffers are written in the parameters' dtype, as ``module.to(dtype)`` leaves them in PyTorch.
+    """
     out = {}
     for path, value in traverse_util.flatten_dict(params).items():
         value = np.asarray(value)
         out[torch_name(path)] = np.ascontiguousarray(value.T) if _is_kernel(path) else value
-    for name, value in (buffers or {}).items():
-        out[name] = np.asarray(value)
+    if buffers:
+        dtype = np.result_type(*(v.dtype for v in out.values())) if out else np.float32
+        for name, value in buffers.items():
+            out[name] = np.asarray(value).astype(dtype)
     return out
 
 

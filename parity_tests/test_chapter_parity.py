@@ -36,7 +36,8 @@ def test_batched_modules(case, batch, tokens, dtype):
     torch.manual_seed(sum(map(ord, case)) + batch)
     torch_module = getattr(tr, name)(*args)
     x = np.random.default_rng(batch * 10 + tokens).standard_normal((batch, tokens, args[0]))
-    run_parity(torch_module, getattr(fa, name)(*args), (x,), dtype, flax_kwargs={"deterministic": True})
+    run_parity(torch_module, getattr(fa, name)(*args), (x,), dtype, flax_kwargs={"deterministic": True},
+               eager=(batch, tokens) == SHAPES[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -46,7 +47,7 @@ def test_batched_modules(case, batch, tokens, dtype):
 def test_self_attention(name, args, tokens, dtype):
     torch.manual_seed(tokens)
     x = np.random.default_rng(tokens).standard_normal((tokens, args[0]))
-    run_parity(getattr(tr, name)(*args), getattr(fa, name)(*args), (x,), dtype)
+    run_parity(getattr(tr, name)(*args), getattr(fa, name)(*args), (x,), dtype, eager=tokens == 4)
 
 
 @pytest.mark.parametrize("name", ["SelfAttention_v1", "SelfAttention_v2"])

@@ -1,0 +1,111 @@
+"""Dropout on attention weights: inverted scaling by 1/(1-p), only when not deterministic, with
+explicit keys. torch's RNG cannot be matched, so the rate and the scaling are tested
+statistically, and exactness where dropout is off.
+"""
+import flax.errors
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import flax_attn as fa
+import torch_ref as tr
+
+
+def _binomial_bounds(n, p, sigmas=6.0):
+    sd = np.sqrt(n * p * (1 - p))
+    return n * p - sigmas * sd, n * p + sigmas * sd
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_rate_and_inverted_scaling(rate):
+    x = jnp.ones((1000, 1000), jnp.float32)
+    y = np.asarray(fa.dropout(x, rate, jax.random.key(0)))
+    dropped = int((y == 0).sum())
+    lo, hi = _binomial_bounds(x.size, rate)
+    assert lo <= dropped <= hi, f"{dropped} dropped of {x.size}, expected {rate * x.size:.0f} +- 6 sd"
+    kept = y[y != 0]
+    np.testing.assert_array_equal(kept, np.float32(1.0) / np.float32(1.0 - rate))
+    # Unbiased: the mean stays 1 within 6 standard errors.
+    se = np.sqrt(rate / (1 - rate) / x.size)
+    assert abs(y.mean() - 1.0) < 6 * se
+
+
+def test_same_key_same_mask_and_different_keys_differ():
+    x = jnp.ones((64, 64))
+    a, b = fa.dropout(x, 0.5, jax.random.key(1)), fa.dropout(x, 0.5, jax.random.key(1))
+    c = fa.dropout(x, 0.5, jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert (np.asarray(a) != np.asarray(c)).any()
+
+
+def test_rate_zero_is_exact_and_bad_rates_raise():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 5)))
+    assert fa.dropout(x, 0.0, None) is x
+    for rate in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"dropout rate must be in \[0, 1\)"):
+            fa.dropout(x, rate, jax.random.key(0))
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        fa.dropout(x, 0.5, None)
+
+
+def _setup(module_cls, args, rate):
+    m = module_cls(*args[:3], rate, *args[3:])
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, args[0])), jnp.float32)
+    v = m.init(jax.random.key(0), x, deterministic=True)
+    return m, v, x
+
+
+@pytest.mark.parametrize("cls, args", [(fa.CausalAttention, (3, 4, 6)), (fa.MultiHeadAttention, (3, 4, 6, 2)),
+                                       (fa.MultiHeadAttentionWrapper, (3, 2, 6, 2))])
+def test_modules_deterministic_equals_no_dropout_bitwise(cls, args):
+    m, v, x = _setup(cls, args, 0.5)
+    m0 = cls(*args[:3], 0.0, *args[3:])
+    np.testing.assert_array_equal(m.apply(v, x, deterministic=True), m0.apply(v, x))
+    train = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+    assert (np.asarray(train) != np.asarray(m0.apply(v, x))).any()
+    np.testing.assert_array_equal(train, m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(3)}))
+
+
+def test_modules_require_deterministic_and_a_key():
+    m, v, x = _setup(fa.MultiHeadAttention, (3, 4, 6, 2), 0.1)
+    with pytest.raises(ValueError, match="pass deterministic=True"):
+        m.apply(v, x)
+    with pytest.raises(flax.errors.InvalidRngError):
+        m.apply(v, x, deterministic=False)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        fa.MultiHeadAttention(3, 4, 6, 1.0, 2).init(jax.random.key(0), x, deterministic=True)
+
+
+def test_attention_weights_dropout_rate_and_scaling():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 64, 2, 8)), jnp.float32) for _ in range(3))
+    _, w = fa.dot_product_attention(q, k, v, is_causal=True, return_weights=True)
+    _, wd = fa.dot_product_attention(q, k, v, is_causal=True, return_weights=True,
+                                     dropout_rate=0.25, dropout_rng=jax.random.key(5))
+    w, wd = np.asarray(w), np.asarray(wd)
+    allowed = w > 0
+    dropped = int((wd[allowed] == 0).sum())
+    lo, hi = _binomial_bounds(int(allowed.sum()), 0.25)
+    assert lo <= dropped <= hi
+    kept = wd != 0
+    np.testing.assert_allclose(wd[kept], w[kept] / 0.75, rtol=1e-6)
+    assert (wd[~allowed] == 0).all()  # blocked entries stay blocked
+
+
+def test_torch_ref_dropout_follows_the_same_rule():
+    torch.manual_seed(0)
+    ca = tr.CausalAttention(3, 4, 50, 0.5)
+    ca.train()
+    x = torch.randn(8, 50, 3)
+    # Capture the weights after dropout through a hook on the dropout layer.
+    seen = {}
+    ca.dropout.register_forward_hook(lambda mod, inp, out: seen.update(before=inp[0], after=out))
+    ca(x)
+    before, after = seen["before"].detach().numpy(), seen["after"].detach().numpy()
+    allowed = before > 0
+    dropped = int((after[allowed] == 0).sum())
+    lo, hi = _binomial_bounds(int(allowed.sum()), 0.5)
+    assert lo <= dropped <= hi
+    np.testing.assert_allclose(after[after != 0], 2 * before[after != 0], rtol=1e-6)

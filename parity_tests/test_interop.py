@@ -1,0 +1,118 @@
+"""The state_dict converter: one generic, strict mechanism, bit-exact round trips."""
+import jax
+import numpy as np
+import pytest
+import torch
+
+import flax_attn as fa
+import torch_ref as tr
+from flax_attn import interop
+
+CASES = {
+    "SelfAttention_v1": (3, 2),
+    "SelfAttention_v2": (3, 2, True),
+    "CausalAttention": (3, 2, 6, 0.0, True),
+    "MultiHeadAttentionWrapper": (3, 2, 6, 0.0, 3),
+    "MultiHeadAttention": (4, 6, 5, 0.0, 2),
+    "TransformerMultiHeadAttention": (8, 2),
+}
+
+
+def _pair(name, dtype=torch.float32):
+    torch.manual_seed(0)
+    return getattr(tr, name)(*CASES[name]).to(dtype), getattr(fa, name)(*CASES[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_round_trip_torch_flax_torch_is_bit_exact(name, dtype):
+    t, f = _pair(name, dtype)
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    back = fa.to_torch_state_dict(f, fa.from_torch_state_dict(f, sd))
+    assert set(back) == set(sd)
+    for key in sd:
+        assert back[key].dtype == sd[key].dtype, key
+        np.testing.assert_array_equal(back[key], sd[key], err_msg=key)
+    # torch takes it back strictly, buffers included.
+    fresh = getattr(tr, name)(*CASES[name]).to(dtype)
+    fresh.load_state_dict(tr.state_dict_from_numpy(back), strict=True)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_round_trip_flax_torch_flax_is_bit_exact(name):
+    _, f = _pair(name)
+    variables = f.init(jax.random.key(1), *f.example_inputs(), **f.example_kwargs())
+    again = fa.from_torch_state_dict(f, fa.to_torch_state_dict(f, variables))
+    for a, b in zip(jax.tree_util.tree_leaves(variables), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(a, b)
+    assert jax.tree_util.tree_structure(variables) == jax.tree_util.tree_structure(again)
+
+
+def test_names_follow_one_rule():
+    assert interop.torch_name(("heads_0", "W_query", "kernel")) == "heads.0.W_query.weight"
+    assert interop.torch_name(("out_proj", "bias")) == "out_proj.bias"
+    assert interop.torch_name(("W_query",)) == "W_query"  # a raw nn.Parameter keeps its name
+    assert interop.torch_name(("rel_bias", "embedding")) == "rel_bias.weight"
+    assert interop.torch_name(("q_norm", "scale")) == "q_norm.weight"
+
+
+def test_linear_weights_are_transposed_raw_parameters_are_not():
+    t, f = _pair("SelfAttention_v2")
+    v = fa.from_torch_state_dict(f, tr.state_dict_to_numpy(t.state_dict()))
+    np.testing.assert_array_equal(v["params"]["W_query"]["kernel"], t.W_query.weight.detach().numpy().T)
+    t1, f1 = _pair("SelfAttention_v1")
+    v1 = fa.from_torch_state_dict(f1, tr.state_dict_to_numpy(t1.state_dict()))
+    np.testing.assert_array_equal(v1["params"]["W_query"], t1.W_query.detach().numpy())
+
+
+def test_accepts_torch_tensors_directly():
+    t, f = _pair("MultiHeadAttention")
+    v = fa.from_torch_state_dict(f, t.state_dict())
+    np.testing.assert_array_equal(v["params"]["out_proj"]["bias"], t.out_proj.bias.detach().numpy())
+
+
+def test_every_problem_is_listed_in_one_error():
+    t, f = _pair("MultiHeadAttention")
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    del sd["W_key.weight"]                       # missing
+    sd["W_query.weight"] = sd["W_query.weight"][:, :3]  # mis-shaped
+    sd["extra.weight"] = np.zeros((2, 2), np.float32)  # unexpected
+    sd["out_proj.bias"] = np.arange(6)           # wrongly typed (integers)
+    with pytest.raises(fa.StateDictError) as err:
+        fa.from_torch_state_dict(f, sd)
+    msg = str(err.value)
+    assert "missing entry 'W_key.weight' (expected shape (6, 4))" in msg
+    assert "entry 'W_query.weight' has shape (6, 3), expected (6, 4)" in msg
+    assert "unexpected entry 'extra.weight' with shape (2, 2)" in msg
+    assert "entry 'out_proj.bias' has dtype int64, expected a floating dtype" in msg
+
+
+def test_causal_mask_buffer_is_checked_and_skipped():
+    t, f = _pair("MultiHeadAttention")
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    assert "mask" in sd
+    fa.from_torch_state_dict(f, sd)  # the expected buffer is accepted
+    no_buffer = {k: v for k, v in sd.items() if k != "mask"}
+    fa.from_torch_state_dict(f, no_buffer)  # and may be absent: masks are computed
+    bad = dict(sd, mask=np.tril(np.ones((5, 5), np.float32)))
+    with pytest.raises(fa.StateDictError, match="buffer 'mask' does not hold the expected values"):
+        fa.from_torch_state_dict(f, bad)
+    other_context = dict(sd, mask=np.triu(np.ones((7, 7), np.float32), 1))
+    with pytest.raises(fa.StateDictError, match=r"buffer 'mask' has shape \(7, 7\), expected \(5, 5\)"):
+        fa.from_torch_state_dict(f, other_context)
+
+
+def test_wrapper_buffers_per_head():
+    t, f = _pair("MultiHeadAttentionWrapper")
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    assert {"heads.0.mask", "heads.1.mask", "heads.2.mask"} <= set(sd)
+    assert set(f.torch_buffers()) == {"heads.0.mask", "heads.1.mask", "heads.2.mask"}
+    fa.from_torch_state_dict(f, sd)
+
+
+def test_to_torch_rejects_params_of_another_configuration():
+    _, f = _pair("MultiHeadAttention")
+    other = fa.MultiHeadAttention(4, 8, 5, 0.0, 2)
+    variables = other.init(jax.random.key(0), *other.example_inputs(), **other.example_kwargs())
+    with pytest.raises(fa.StateDictError, match="parameter W_query/kernel has shape"):
+        fa.to_torch_state_dict(f, variables)
