@@ -84,3 +84,24 @@ def check_rate(name: str, rate) -> None:
 def check_one_of(name: str, value, choices: Sequence) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _raise_unless(ok, *, message: str, **values) -> None:
+    if not bool(ok):
+        raise ValueError(message.format(**{k: np.asarray(v).tolist() for k, v in values.items()}))
+
+
+def runtime_check(ok, message: str, **values) -> None:
+    """Raise ``ValueError(message.format(**values))`` unless ``ok``.
+
+    For conditions on values that are only known when the program runs (a cache's fill level
+    under ``jax.jit``): with concrete values it raises at once; with traced ones it plants a
+    callback that raises when the compiled program runs (surfacing as a runtime error that
+    carries the message).
+    """
+    import jax
+
+    if isinstance(ok, jax.core.Tracer) or any(isinstance(v, jax.core.Tracer) for v in values.values()):
+        jax.debug.callback(_raise_unless, ok, message=message, **values)
+    else:
+        _raise_unless(ok, message=message, **values)

@@ -94,8 +94,13 @@ def length_mask(query_len: int, key_len: int, query_seq_lengths=None, key_value_
 
 
 def segment_mask(query_segment_ids, key_segment_ids) -> jnp.ndarray:
-    """Packed sequences: attend only within the same segment. Shape ``(..., T, S)``."""
-    return query_segment_ids[..., :, None] == key_segment_ids[..., None, :]
+    """Packed sequences: attend only within the same segment. Shape ``(..., T, S)``.
+
+    Negative ids mark padding: such a key is never attended to, and such a query attends to
+    nothing (its output is zeros).
+    """
+    keys = key_segment_ids[..., None, :]
+    return (query_segment_ids[..., :, None] == keys) & (keys >= 0)
 
 
 def padding_mask(lengths, seq_len: int) -> jnp.ndarray:

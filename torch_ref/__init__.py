@@ -67,3 +67,5 @@ __all__ = [
     "state_dict_to_numpy",
     "to_numpy",
 ]
+
+from torch_ref import modern  # noqa: E402  (the modern variants' references)

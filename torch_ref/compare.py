@@ -48,13 +48,15 @@ def max_rel_error(actual, expected) -> float:
 
 
 def _split(inputs, dtype):
-    float_idx = [i for i, x in enumerate(inputs) if np.issubdtype(np.asarray(x).dtype, np.floating)]
-    cast = [np.asarray(x, dtype if i in float_idx else None) for i, x in enumerate(inputs)]
+    """Indices of the floating inputs (they get gradients) and the inputs as NumPy (None stays None)."""
+    float_idx = [i for i, x in enumerate(inputs)
+                 if x is not None and np.issubdtype(np.asarray(x).dtype, np.floating)]
+    cast = [None if x is None else np.asarray(x, dtype if i in float_idx else None) for i, x in enumerate(inputs)]
     return float_idx, cast
 
 
 def _torch_forward_backward(fn, inputs, float_idx, dtype, seed):
-    t_inputs = [torch.from_numpy(x.copy()) for x in inputs]
+    t_inputs = [None if x is None else torch.from_numpy(x.copy()) for x in inputs]
     for i in float_idx:
         t_inputs[i].requires_grad_(True)
     out = fn(*t_inputs)
@@ -74,7 +76,7 @@ def _jax_forward_backward(fn, inputs, float_idx, cotangents, extra_args=()):
     import jax
     import jax.numpy as jnp
 
-    j_inputs = [jnp.asarray(x) for x in inputs]
+    j_inputs = [None if x is None else jnp.asarray(x) for x in inputs]
 
     def apply(*args):
         n = len(extra_args)
@@ -146,6 +148,7 @@ def compare_module(torch_module, flax_module, inputs, dtype, *, torch_kwargs=Non
     tol = TOLERANCE[dtype]
     torch_kwargs, flax_kwargs = torch_kwargs or {}, flax_kwargs or {}
     torch_module = torch_module.to(TORCH_DTYPE[dtype])
+    torch_module.zero_grad(set_to_none=True)  # gradients of an earlier comparison would accumulate
     variables = flax_attn.from_torch_state_dict(flax_module, state_dict_to_numpy(torch_module.state_dict()))
     float_idx, inputs = _split(inputs, dtype)
     t_outs, t_grads, cots = _torch_forward_backward(

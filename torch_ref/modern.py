@@ -1,0 +1,256 @@
+"""PyTorch references for the modern attention variants, written to their published conventions.
+
+Shapes use flax_attn's alphabet: queries ``(B, T, N, H)``, keys/values ``(B, S, K, H)``,
+positions ``(B, T)``. These are written independently of flax_attn (different formulations
+where there is a choice), so that parity tests compare two implementations, not one twice:
+
+* RoPE ``rotate_half`` as in GPT-NeoX / Hugging Face Llama (``x cos + rotate_half(x) sin``);
+  ``interleaved`` as in Meta's Llama and GPT-J, with complex multiplication of dimension pairs.
+* ALiBi slopes as MPT computes them (``2^ceil(log2 N)`` slopes, odd ones first).
+* T5 buckets as the T5 code computes them.
+* Grouped-query attention by repeating key/value heads (``repeat_interleave``).
+* A KV cache that grows by concatenation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+
+# --------------------------------------------------------------------------- RoPE
+
+def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None):
+    """Inverse frequencies (float64, ``rotary_dim // 2``) and the attention factor (YaRN's mscale)."""
+    dim = rotary_dim
+    base_inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if not scaling:
+        return base_inv, 1.0
+    kind, factor = scaling["kind"], float(scaling["factor"])
+    if kind == "linear":  # position interpolation: positions / factor
+        return base_inv / factor, 1.0
+    if kind == "ntk":  # NTK-aware: enlarge the base
+        new_base = theta * factor ** (dim / (dim - 2))
+        return 1.0 / (new_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), 1.0
+    if kind == "llama3":
+        old_len = scaling["original_max_position_embeddings"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        out = []
+        for f in base_inv.tolist():
+            wavelen = 2 * math.pi / f
+            if wavelen < old_len / high:      # high frequency: unchanged
+                out.append(f)
+            elif wavelen > old_len / low:     # low frequency: interpolated
+                out.append(f / factor)
+            else:                              # in between: blend
+                smooth = (old_len / wavelen - low) / (high - low)
+                out.append((1 - smooth) * f / factor + smooth * f)
+        return torch.tensor(out, dtype=torch.float64), 1.0
+    if kind == "yarn":
+        old_len = scaling["original_max_position_embeddings"]
+        beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
+
+        def dim_for_rotations(r):
+            return (dim * math.log(old_len / (r * 2 * math.pi))) / (2 * math.log(theta))
+
+        lo = max(math.floor(dim_for_rotations(beta_fast)), 0)
+        hi = min(math.ceil(dim_for_rotations(beta_slow)), dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo), 0, 1)
+        extrapolate = 1 - ramp
+        inv = (base_inv / factor) * (1 - extrapolate) + base_inv * extrapolate
+        mscale = scaling.get("attention_factor")
+        if mscale is None:
+            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return inv, mscale
+    raise ValueError(f"unknown RoPE scaling kind {kind!r}")
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, positions, *, theta=10000.0, layout="rotate_half", rotary_dim=None, scaling=None):
+    """Rotate ``x`` ``(B, T, N, H)`` by ``positions`` ``(B, T)``; see flax_attn.rope for the conventions."""
+    rd = x.shape[-1] if rotary_dim is None else rotary_dim
+    compute = torch.promote_types(x.dtype, torch.float32)
+    inv_freq, mscale = rope_inv_freq(rd, theta, scaling)
+    angles = positions.to(compute)[..., None] * inv_freq.to(compute)  # (B, T, rd/2)
+    x_rot, x_pass = x[..., :rd].to(compute), x[..., rd:]
+    if layout == "rotate_half":
+        emb = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # (B, T, 1, rd)
+        cos, sin = emb.cos() * mscale, emb.sin() * mscale
+        rotated = x_rot * cos + rotate_half(x_rot) * sin
+    elif layout == "interleaved":
+        complex_dtype = torch.complex128 if compute == torch.float64 else torch.complex64
+        pairs = torch.view_as_complex(x_rot.reshape(*x_rot.shape[:-1], rd // 2, 2).contiguous())
+        freqs_cis = torch.polar(torch.full_like(angles, mscale), angles).to(complex_dtype)[:, :, None, :]
+        rotated = torch.view_as_real(pairs * freqs_cis).flatten(-2)
+    else:
+        raise ValueError(f"unknown RoPE layout {layout!r}")
+    return torch.cat((rotated.to(x.dtype), x_pass), dim=-1)
+
+
+# --------------------------------------------------------------------------- ALiBi, T5
+
+def alibi_slopes(num_heads: int, alibi_bias_max: int = 8) -> torch.Tensor:
+    """MPT's recipe: slopes for the next power of two, the odd-indexed ones first, cut to N."""
+    n = 2 ** math.ceil(math.log2(num_heads))
+    m = torch.arange(1, n + 1, dtype=torch.float64) * (alibi_bias_max / n)
+    slopes = 1.0 / torch.pow(2, m)
+    if n != num_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes
+
+
+def alibi_bias(slopes, query_positions, key_positions):
+    """``(B, N, T, S)``: ``-slope * |q - k|``."""
+    distance = (query_positions[:, :, None] - key_positions[:, None, :]).abs()
+    return -slopes[None, :, None, None] * distance[:, None, :, :]
+
+
+def t5_relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    relative_buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    if_large = torch.min(if_large, torch.full_like(if_large, num_buckets - 1))
+    return relative_buckets + torch.where(is_small, relative_position, if_large)
+
+
+# --------------------------------------------------------------------------- attention
+
+def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap=None):
+    """``softmax(scale * q k^T [capped] + bias, allowed) v`` with q ``(B, T, N, H)``, k/v ``(B, S, K, H)``.
+
+    Key/value heads are repeated to N. ``allowed``: boolean broadcastable to ``(B, N, T, S)``.
+    A query with nothing allowed returns zeros (the convention flax_attn keeps).
+    """
+    N, K = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(N // K, dim=2)
+    v = v.repeat_interleave(N // K, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.einsum("btnh,bsnh->bnts", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
+    if allowed is not None:
+        allowed = allowed.expand(scores.shape)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        any_allowed = allowed.any(dim=-1, keepdim=True)
+        scores = scores.masked_fill(~any_allowed, 0.0)  # keep fully blocked rows finite
+        weights = torch.softmax(scores, dim=-1) * any_allowed
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("bnts,bsnh->btnh", weights, v), weights
+
+
+def allowed_keys(query_positions, key_positions, *, causal, window=None, query_segments=None, key_segments=None):
+    """Boolean ``(B, 1, T, S)``: causal by position, a window of W keys, equal non-negative segments."""
+    offset = query_positions[:, :, None] - key_positions[:, None, :]  # how far back the key is
+    allowed = torch.ones_like(offset, dtype=torch.bool)
+    if causal:
+        allowed &= offset >= 0
+    if window is not None:
+        allowed &= (offset < window) if causal else (offset.abs() < window)
+    if query_segments is not None:
+        allowed &= (query_segments[:, :, None] == key_segments[:, None, :]) & (key_segments[:, None, :] >= 0)
+    return allowed[:, None]
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """GPT-2's learned absolute positions: a table ``(num_positions, features)`` indexed by position."""
+
+    def __init__(self, num_positions, features):
+        super().__init__()
+        self.wpe = nn.Embedding(num_positions, features)
+
+    def forward(self, positions):
+        return self.wpe(positions)
+
+
+class Attention(nn.Module):
+    """The configurable layer: the keyword arguments are ``flax_attn.AttentionConfig``'s fields."""
+
+    def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, causal=True, sliding_window=None,
+                 position="rope", rope_theta=10000.0, rope_layout="rotate_half", rotary_dim=None,
+                 rope_scaling=None, t5_num_buckets=32, t5_max_distance=128, qk_norm=False, qk_norm_eps=1e-6,
+                 logit_softcap=None, qkv_bias=False, out_bias=False, dropout=0.0, scale=None):
+        super().__init__()
+        self.N = num_heads
+        self.K = num_heads if num_kv_heads is None else num_kv_heads
+        self.H = d_model // num_heads if head_dim is None else head_dim
+        self.causal, self.window, self.position = causal, sliding_window, position
+        self.rope = dict(theta=rope_theta, layout=rope_layout, rotary_dim=rotary_dim, scaling=rope_scaling)
+        self.t5 = dict(num_buckets=t5_num_buckets, max_distance=t5_max_distance, bidirectional=not causal)
+        self.softcap, self.scale = logit_softcap, scale
+        self.q_proj = nn.Linear(d_model, self.N * self.H, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, self.K * self.H, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, self.K * self.H, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.N * self.H, d_model, bias=out_bias)
+        if qk_norm:
+            self.q_norm = nn.RMSNorm(self.H, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(self.H, eps=qk_norm_eps)
+        self.qk_norm = qk_norm
+        if position == "t5":
+            self.rel_bias = nn.Embedding(t5_num_buckets, self.N)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x, positions=None, segment_ids=None, context=None, context_positions=None,
+                context_segment_ids=None, mask=None, cache=None):
+        """As flax_attn.Attention. ``cache``: None or a dict of key, value, positions, segment_ids
+        (``(B, S, ...)``); with ``cache`` given (an empty dict to start) returns ``(out, new_cache)``."""
+        B, T, _ = x.shape
+        source = x if context is None else context
+        S = source.shape[1]
+        q = self.q_proj(x).view(B, T, self.N, self.H)
+        k = self.k_proj(source).view(B, S, self.K, self.H)
+        v = self.v_proj(source).view(B, S, self.K, self.H)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        k_pos = positions if context is None else context_positions
+        k_seg = segment_ids if context is None else context_segment_ids
+        if self.position == "rope":
+            q, k = apply_rope(q, positions, **self.rope), apply_rope(k, k_pos, **self.rope)
+        new_cache = None
+        if cache is not None:
+            if segment_ids is None:
+                segment_ids = k_seg = torch.zeros(B, T, dtype=torch.long)
+            if cache:
+                k = torch.cat([cache["key"], k], dim=1)
+                v = torch.cat([cache["value"], v], dim=1)
+                k_pos = torch.cat([cache["positions"], k_pos], dim=1)
+                k_seg = torch.cat([cache["segment_ids"], k_seg], dim=1)
+            new_cache = {"key": k, "value": v, "positions": k_pos, "segment_ids": k_seg}
+        if positions is None:  # position='none' without a cache: queries are the last T of S keys
+            S_all = k.shape[1]
+            k_pos = torch.arange(S_all)[None].expand(B, S_all)
+            positions = (torch.arange(T) + S_all - T)[None].expand(B, T)
+        allowed = allowed_keys(positions, k_pos, causal=self.causal, window=self.window,
+                               query_segments=segment_ids if k_seg is not None else None, key_segments=k_seg)
+        if mask is not None:
+            allowed = allowed & mask
+        bias = None
+        if self.position == "alibi":
+            bias = alibi_bias(alibi_slopes(self.N).to(q.dtype), positions, k_pos)
+        elif self.position == "t5":
+            buckets = t5_relative_position_bucket(k_pos[:, None, :] - positions[:, :, None], **self.t5)
+            bias = self.rel_bias(buckets).permute(0, 3, 1, 2)
+        out, weights = reference_attention(q, k, v, allowed=allowed, bias=bias, scale=self.scale, softcap=self.softcap)
+        out = self.o_proj(out.reshape(B, T, self.N * self.H))
+        return out if cache is None else (out, new_cache)
