@@ -135,7 +135,7 @@ def params_to_state_dict(params, *, buffers: Mapping[str, np.ndarray] | None = N
     """
     out = {}
     for path, value in traverse_util.flatten_dict(params).items():
-        value = np.asarray(value)
+        value = np.array(value)  # a writable copy, so that torch.from_numpy takes it as it is
         out[torch_name(path)] = np.ascontiguousarray(value.T) if _is_kernel(path) else value
     if buffers:
         dtype = np.result_type(*(v.dtype for v in out.values())) if out else np.float32

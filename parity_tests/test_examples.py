@@ -1,0 +1,18 @@
+"""The examples run and reach their own checks (each exits non-zero when its check fails)."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("script, expect", [
+    ("chapter_walkthrough.py", "22 of 22 printed numbers reproduced."),
+    ("tiny_decoder.py", "same tokens: True"),
+])
+def test_example_runs(script, expect):
+    result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert expect in result.stdout
