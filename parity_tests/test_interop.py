@@ -116,3 +116,39 @@ def test_to_torch_rejects_params_of_another_configuration():
     variables = other.init(jax.random.key(0), *other.example_inputs(), **other.example_kwargs())
     with pytest.raises(fa.StateDictError, match="parameter W_query/kernel has shape"):
         fa.to_torch_state_dict(f, variables)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "out_bias": True},
+    {"position": "t5", "causal": False},
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_layer_round_trip(cfg, dtype):
+    config = fa.AttentionConfig(d_model=16, num_heads=4, **cfg)
+    torch.manual_seed(0)
+    twin = tr.modern.Attention(**config.torch_kwargs()).to(dtype)
+    with torch.no_grad():  # RMSNorm weights start at 1: make them distinguishable
+        for p in twin.parameters():
+            p.add_(torch.rand_like(p))
+    layer = fa.Attention(config)
+    sd = tr.state_dict_to_numpy(twin.state_dict())
+    variables = fa.from_torch_state_dict(layer, sd)
+    if cfg.get("qk_norm"):
+        np.testing.assert_array_equal(variables["params"]["q_norm"]["scale"], sd["q_norm.weight"])
+    if cfg.get("position") == "t5":
+        np.testing.assert_array_equal(variables["params"]["rel_bias"]["embedding"], sd["rel_bias.weight"])
+    back = fa.to_torch_state_dict(layer, variables)
+    assert set(back) == set(sd)
+    for key in sd:
+        np.testing.assert_array_equal(back[key], sd[key], err_msg=key)
+    twin.load_state_dict(tr.state_dict_from_numpy(back), strict=True)
+
+
+def test_learned_positions_round_trip():
+    torch.manual_seed(0)
+    twin = tr.modern.LearnedPositionalEmbedding(10, 4)
+    m = fa.LearnedPositionalEmbedding(10, 4)
+    sd = tr.state_dict_to_numpy(twin.state_dict())
+    assert set(sd) == {"wpe.weight"}
+    back = fa.to_torch_state_dict(m, fa.from_torch_state_dict(m, sd))
+    np.testing.assert_array_equal(back["wpe.weight"], sd["wpe.weight"])
