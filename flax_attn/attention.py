@@ -9,6 +9,7 @@ calling convention of ``jax.nn.dot_product_attention`` and adds what that one la
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -19,11 +20,14 @@ from jax import lax
 
 from flax_attn import _checks
 from flax_attn import masks as masks_lib
+from flax_attn.blockwise import blockwise_attention
 
 Array = Any
 PrecisionLike = Any
 
-IMPLEMENTATIONS = ("xla",)
+IMPLEMENTATIONS = ("xla", "blockwise", "cudnn")
+# On CPU the blockwise path is chosen from this many query-key pairs per head on (see benchmarks/).
+BLOCKWISE_MIN_ELEMENTS = 256 * 256
 
 
 def masked_softmax(logits, mask=None, axis: int = -1):
@@ -81,6 +85,66 @@ def _grouped(x, num_kv_heads: int, group: int):
     if n == 1:
         return x[:, :, None]
     return x.reshape(b, num_kv_heads, group, t, s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """What a call asks for: enough to decide which implementations can serve it."""
+
+    dtype: Any
+    T: int
+    S: int
+    H: int
+    Hv: int
+    dropout: bool
+    weights: bool
+    softcap: bool
+    mask: bool
+    positions: bool
+    segments: bool
+    lengths: bool
+    window: bool
+    causal: bool
+
+
+def unsupported(implementation: str, r: _Request) -> Optional[str]:
+    """Why ``implementation`` cannot serve request ``r``, or None if it can."""
+    if implementation == "xla":
+        return None
+    if r.dropout:
+        return "dropout (use implementation='xla' or None)"
+    if r.weights:
+        return "return_weights (use implementation='xla' or None)"
+    if implementation == "blockwise":
+        return None
+    # cudnn, through jax.nn.dot_product_attention
+    if jax.default_backend() != "gpu":
+        return f"the '{jax.default_backend()}' backend (cuDNN needs an NVIDIA GPU)"
+    if np.dtype(r.dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        return f"dtype {np.dtype(r.dtype)} (cuDNN takes bfloat16 or float16)"
+    if r.H != r.Hv or r.H % 8 or r.H > 128:
+        return f"head dims H={r.H}, Hv={r.Hv} (cuDNN needs H == Hv, a multiple of 8, at most 128)"
+    for flag, what in ((r.softcap, "logit_softcap"), (r.mask, "a boolean mask"), (r.positions, "explicit positions"),
+                       (r.segments, "segment ids"), (r.lengths, "sequence lengths"), (r.window, "local_window_size")):
+        if flag:
+            return what
+    if r.causal and r.T != r.S:
+        return f"causal attention with T={r.T} != S={r.S} (cuDNN aligns the mask differently)"
+    return None
+
+
+def choose_implementation(r: _Request) -> str:
+    """The fastest implementation that serves ``r`` on this platform.
+
+    cuDNN on NVIDIA GPUs where it applies; on CPU the blockwise path once the T x S weights
+    are large enough to matter (measured crossover, see benchmarks/); the plain XLA path
+    otherwise (it serves every request).
+    """
+    if jax.default_backend() == "gpu" and unsupported("cudnn", r) is None:
+        return "cudnn"
+    if jax.default_backend() == "cpu" and unsupported("blockwise", r) is None and r.T * r.S >= BLOCKWISE_MIN_ELEMENTS:
+        return "blockwise"
+    return "xla"
 
 
 def _attention_xla(query, key, value, bias, mask, *, scale, logit_softcap, dropout_rate,
@@ -166,7 +230,13 @@ def dot_product_attention(
       deterministic: disable dropout.
       return_weights: also return the attention weights ``(B, N, T, S)`` (after dropout).
       precision: passed to both matmuls (``jax.lax.Precision`` or a string like 'highest').
-      implementation: 'xla' (the plain path), or None to choose.
+      implementation: ``'xla'``: the plain path, materialises the ``(B, N, T, S)`` logits, serves
+        everything. ``'blockwise'``: flash-style, memory linear in the length, skips blocks a
+        causal or window mask removes (no dropout, no weights). ``'cudnn'``: cuDNN flash
+        attention through ``jax.nn.dot_product_attention`` on NVIDIA GPUs (bfloat16/float16,
+        H a multiple of 8 up to 128, causal or no mask, bias allowed). ``None``: the fastest
+        one that serves the request on this platform (see :func:`choose_implementation`).
+        Naming one that cannot serve the request raises ``ValueError`` saying why.
 
     Returns:
       ``(B, T, N, Hv)`` (``(T, N, Hv)`` if unbatched) in ``query.dtype``; with
@@ -224,6 +294,35 @@ def dot_product_attention(
         raise ValueError("dropout_rate > 0 needs dropout_rng (or deterministic=True)")
     if implementation is not None:
         _checks.check_one_of("implementation", implementation, IMPLEMENTATIONS)
+    request = _Request(
+        dtype=_checks.dtype_of(query), T=T, S=S, H=H, Hv=_checks.shape_of(value)[-1],
+        dropout=dropout_rate > 0.0, weights=return_weights, softcap=logit_softcap is not None,
+        mask=mask is not None, positions=query_positions is not None or key_positions is not None,
+        segments=query_segment_ids is not None, lengths=query_seq_lengths is not None or key_value_seq_lengths is not None,
+        window=window is not None, causal=is_causal,
+    )
+    if implementation is None:
+        implementation = choose_implementation(request)
+    else:
+        problem = unsupported(implementation, request)
+        if problem:
+            raise ValueError(f"implementation='{implementation}' does not support {problem}")
+
+    if implementation == "blockwise":
+        out = blockwise_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal, window=window,
+            query_positions=None if query_positions is None else query_positions.reshape(-1, T),
+            key_positions=None if key_positions is None else key_positions.reshape(-1, S),
+            query_segment_ids=None if query_segment_ids is None else query_segment_ids.reshape(-1, T),
+            key_segment_ids=None if key_segment_ids is None else key_segment_ids.reshape(-1, S),
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            logit_softcap=logit_softcap, precision=precision,
+        )
+        return out[0] if unbatched else out
+    if implementation == "cudnn":
+        out = jax.nn.dot_product_attention(query, key, value, bias, is_causal=is_causal, scale=scale,
+                                           implementation="cudnn")
+        return out[0] if unbatched else out
 
     default_q, default_k = masks_lib.default_positions(T, S)
     q_pos = default_q if query_positions is None else query_positions
