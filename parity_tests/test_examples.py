@@ -16,3 +16,14 @@ def test_example_runs(script, expect):
     result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert expect in result.stdout
+
+
+def test_benchmark_suite_runs(tmp_path):
+    # Tiny sizes, one repeat: checks that the suite runs and writes its files. No timing is judged.
+    root = EXAMPLES.parent
+    result = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    written = sorted(p.suffix for p in tmp_path.iterdir())
+    assert written == [".json", ".png"]
+    assert "KV-cache decoding" in result.stdout

@@ -1,0 +1,426 @@
+"""flax_attn's benchmark suite: one command, every contender measured side by side in one run.
+
+    python -m benchmarks.run              # full suite (CPU: float32; NVIDIA GPU: bfloat16, detected)
+    python -m benchmarks.run --smoke      # tiny sizes, one repeat: checks that everything runs
+
+1. The GPT-2-small layer (batch 8, context 1024, model dim 768, 12 heads, causal): flax_attn's
+   MultiHeadAttention with each implementation, the chapter's layer in torch_ref, a PyTorch
+   layer on F.scaled_dot_product_attention (the peer), a Flax layer on
+   jax.nn.dot_product_attention, and Flax's nn.MultiHeadDotProductAttention. Forward and
+   forward+backward (gradients of the input and every parameter), compiled, warm-up excluded,
+   median over repeats taken in turns (contender by contender, repeat by repeat).
+2. A length sweep of the attention core (1 sequence, 8 heads of 64, causal, 1k to 64k tokens):
+   time and peak memory, each point in a fresh process: the peak resident memory above the
+   process's baseline once the inputs exist (for JAX this includes compiling), and for JAX also
+   XLA's own estimate of the program's temporaries and outputs. Points whose program would need
+   more memory than the machine has are not run; the estimate is reported instead.
+3. KV-cache decoding with flax_attn.Attention (768 wide, 12 heads, RoPE): time per generated
+   token with the cache against recomputing the whole prefix, after a 1024-token prefix.
+
+Writes benchmarks/results/<machine>.json and .png, and prints the tables. No assertions: the
+ratios are printed; targets are judged by reading them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SWEEP_LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+
+
+# --------------------------------------------------------------------------- the machine
+
+def machine() -> dict:
+    import jax
+    import torch
+
+    gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    info = {
+        "backend": "gpu" if gpu else "cpu",
+        "device": torch.cuda.get_device_name() if gpu else _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "dtype": "bfloat16" if gpu else "float32",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    info["name"] = f"{info['backend']}-{info['device'].replace(' ', '-').lower()}-{info['cpu_count']}cores"
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+# --------------------------------------------------------------------------- timing
+
+def _sync(out):
+    import jax
+    import torch
+
+    jax.block_until_ready(out)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+def time_in_turns(fns: dict, repeats: int, warmup: int = 2) -> dict:
+    """Median seconds of each zero-argument function, timed in turns (one of each per round)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            _sync(fn())
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            _sync(fn())
+            samples[name].append(time.perf_counter() - start)
+    return {name: float(np.median(s)) for name, s in samples.items()}
+
+
+# --------------------------------------------------------------------------- 1. GPT-2-small layer
+
+def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import flax_attn as fa
+    import torch_ref
+    from benchmarks.peers import FlaxMultiHeadDotProductAttention, JaxNNMultiHeadAttention, TorchSDPAMultiHeadAttention
+
+    B, T, D, N = cfg["batch"], cfg["context"], cfg["d_model"], cfg["heads"]
+    jdtype = jnp.bfloat16 if gpu else jnp.float32
+    tdtype = torch.bfloat16 if gpu else torch.float32
+    device = "cuda" if gpu else "cpu"
+    x_np = np.random.default_rng(0).standard_normal((B, T, D)).astype(np.float32)
+    contenders = {}
+
+    def jax_contender(module, label):
+        x = jnp.asarray(x_np, jdtype)
+        params = module.init(jax.random.key(0), x[:, :8])
+        fwd = jax.jit(lambda p, x: module.apply(p, x))
+        loss = lambda p, x: jnp.sum(module.apply(p, x).astype(jnp.float32))
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        contenders[label] = (lambda: fwd(params, x), lambda: bwd(params, x))
+
+    impls = ["xla", "blockwise"] + (["cudnn"] if gpu else []) + [None]
+    for impl in impls:
+        label = f"flax_attn MultiHeadAttention ({impl or 'auto: ' + _auto_choice(B, T, N, D // N, jdtype)})"
+        mha = fa.MultiHeadAttention(D, D, T, 0.0, N, param_dtype=jdtype, implementation=impl)
+        jax_contender(_Deterministic(mha), label)
+    jax_contender(JaxNNMultiHeadAttention(D, N, dtype=jdtype), "Flax layer on jax.nn.dot_product_attention")
+    jax_contender(FlaxMultiHeadDotProductAttention(D, N, dtype=jdtype), "flax.linen.MultiHeadDotProductAttention")
+
+    def torch_contender(module, label):
+        module = module.to(device=device, dtype=tdtype)
+        x = torch.from_numpy(x_np).to(device=device, dtype=tdtype)
+        xg = x.clone().requires_grad_(True)
+
+        def fwd():
+            with torch.no_grad():
+                return module(x)
+
+        def bwd():
+            module.zero_grad(set_to_none=True)
+            xg.grad = None
+            module(xg).float().sum().backward()
+            return xg.grad
+
+        contenders[label] = (fwd, bwd)
+
+    torch.manual_seed(0)
+    torch_contender(TorchSDPAMultiHeadAttention(D, N), PEER)
+    torch_contender(torch_ref.MultiHeadAttention(D, D, T, 0.0, N), "torch_ref MultiHeadAttention (the chapter's)")
+
+    rows = []
+    for mode, index in (("forward", 0), ("forward+backward", 1)):
+        times = time_in_turns({name: fns[index] for name, fns in contenders.items()}, repeats)
+        for name, t in times.items():
+            rows.append({"layer": name, "mode": mode, "seconds": t, "ratio_to_peer": t / times[PEER]})
+    return rows
+
+
+PEER = "PyTorch layer on F.scaled_dot_product_attention (peer)"
+
+
+class _Deterministic:
+    """Adapter: call a dropout-capable flax_attn module with deterministic=True."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def init(self, key, x):
+        return self.module.init(key, x, deterministic=True)
+
+    def apply(self, params, x):
+        return self.module.apply(params, x, deterministic=True)
+
+
+def _auto_choice(B, T, N, H, dtype) -> str:
+    import numpy as np
+
+    from flax_attn.attention import _Request, choose_implementation
+
+    return choose_implementation(_Request(dtype=np.dtype(dtype), T=T, S=T, H=H, Hv=H, dropout=False, weights=False,
+                                          softcap=False, mask=False, positions=False, segments=False, lengths=False,
+                                          window=False, causal=True))
+
+
+# --------------------------------------------------------------------------- 2. length sweep
+
+def sweep_point(impl: str, T: int, mode: str, repeats: int, heads: int = 8, head_dim: int = 64) -> dict:
+    """One point, run in this process: seconds and peak memory above the baseline (GiB)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import flax_attn as fa
+
+    gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((1, T, heads, head_dim)).astype(np.float32) for _ in range(3)]
+    result = {"impl": impl, "T": T, "mode": mode}
+    baseline = _peak_gib(gpu)  # after the inputs exist; JAX's compilation counts towards the peak
+    if impl == "torch SDPA":
+        dev, dt = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+        q, k, v = (torch.from_numpy(a).to(dev, dt).transpose(1, 2).contiguous().requires_grad_(mode != "forward")
+                   for a in arrays)
+
+        def run():
+            if mode == "forward":
+                with torch.no_grad():
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            for t in (q, k, v):
+                t.grad = None
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum().backward()
+            return q.grad
+    else:
+        dt = jnp.bfloat16 if gpu else jnp.float32
+        q, k, v = (jnp.asarray(a, dt) for a in arrays)
+        if impl == "jax.nn":
+            core = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            core = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        f = core if mode == "forward" else jax.grad(lambda q, k, v: jnp.sum(core(q, k, v).astype(jnp.float32)),
+                                                    argnums=(0, 1, 2))
+        compiled = jax.jit(f).lower(q, k, v).compile()
+        analysis = compiled.memory_analysis()
+        need = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / 2**30 if analysis else 0.0
+        result["xla_estimate_gib"] = need
+        budget = 0.7 * float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
+        if gpu:
+            budget = jax.devices()[0].memory_stats().get("bytes_limit", 0) / 2**30 * 0.9
+        if need > budget:
+            result["skipped"] = f"needs {need:.1f} GiB (XLA's estimate), more than {budget:.0f} GiB"
+            return result
+        run = lambda: compiled(q, k, v)
+    t = time_in_turns({"x": run}, repeats, warmup=1)["x"]
+    result["seconds"] = t
+    result["peak_gib"] = max(_peak_gib(gpu) - baseline, 0.0)
+    flops = 4 * heads * T * T * head_dim / 2  # causal: half of QK^T and PV
+    result["tflops"] = (flops * (1 if mode == "forward" else 3.5)) / t / 1e12
+    return result
+
+
+def _peak_gib(gpu: bool) -> float:
+    if gpu:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def length_sweep(lengths, impls, repeats) -> list[dict]:
+    rows = []
+    for T in lengths:
+        for mode in ("forward", "forward+backward"):
+            for impl in impls:
+                reps = repeats if T <= 8192 else 1
+                cmd = [sys.executable, "-m", "benchmarks.run", "--point", impl, str(T), mode, str(reps)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                if proc.returncode != 0:
+                    rows.append({"impl": impl, "T": T, "mode": mode, "failed": proc.stderr.strip().splitlines()[-1:]})
+                else:
+                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print("  ", _sweep_line(rows[-1]), flush=True)
+    return rows
+
+
+def _sweep_line(r: dict) -> str:
+    head = f"{r['impl']:<10} T={r['T']:<6} {r['mode']:<17}"
+    if "seconds" in r:
+        estimate = f"  (XLA estimate {r['xla_estimate_gib']:.2f} GiB)" if "xla_estimate_gib" in r else ""
+        return head + f" {r['seconds']:9.3f} s  peak {r['peak_gib']:6.2f} GiB{estimate}"
+    return head + f" {r.get('skipped') or r.get('failed')}"
+
+
+# --------------------------------------------------------------------------- 3. KV-cache decoding
+
+def decoding(prefix: int, steps: int, repeats: int, gpu: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import flax_attn as fa
+
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    config = fa.AttentionConfig(d_model=768, num_heads=12, position="rope")
+    layer = fa.Attention(config, param_dtype=dtype)
+    total = prefix + steps
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, total, 768)), dtype)
+    positions = jnp.arange(total)[None]
+    params = layer.init(jax.random.key(0), x[:, :8], positions[:, :8])
+
+    step = jax.jit(lambda p, c, xt, pt: layer.apply(p, xt, pt, cache=c))
+    # Recomputation: the whole prefix of a fixed padded length (one compilation); causal
+    # attention makes the padding after the current token irrelevant.
+    full = jax.jit(lambda p, xs: layer.apply(p, xs, positions)[:, -1])
+
+    def cached():
+        cache = config.init_cache(batch=1, max_len=total, dtype=dtype)
+        _, cache = layer.apply(params, x[:, :prefix], positions[:, :prefix], cache=cache)
+        jax.block_until_ready(cache)
+        start = time.perf_counter()
+        for t in range(prefix, total):
+            out, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / steps
+
+    def recompute():
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = full(params, x)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / steps
+
+    cached(), recompute()  # compile
+    per_token_cached = float(np.median([cached() for _ in range(repeats)]))
+    per_token_full = float(np.median([recompute() for _ in range(repeats)]))
+    return {"prefix": prefix, "steps": steps, "cached_s_per_token": per_token_cached,
+            "recompute_s_per_token": per_token_full, "speedup": per_token_full / per_token_cached}
+
+
+# --------------------------------------------------------------------------- peak, report
+
+def matmul_peak_tflops(gpu: bool) -> float:
+    """The machine's dense matmul rate, measured now (bf16 8192^3 on GPU, f32 4096^3 on CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    n, dtype = (8192, jnp.bfloat16) if gpu else (4096, jnp.float32)
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal((n, n)), dtype) for _ in range(2))
+    f = jax.jit(lambda a, b: a @ b)
+    t = time_in_turns({"mm": lambda: f(a, b)}, repeats=5)["mm"]
+    return 2 * n ** 3 / t / 1e12
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    layer = [r for r in results["gpt2_layer"] if r["mode"] == "forward+backward"]
+    names = [r["layer"].replace(" (", "\n(") for r in layer]
+    axes[0].barh(names, [r["seconds"] for r in layer], color=["C1" if "peer" in r["layer"] else "C0" for r in layer])
+    axes[0].set_xlabel("seconds (forward+backward)")
+    axes[0].set_title("GPT-2-small causal MHA layer")
+    axes[0].tick_params(axis="y", labelsize=7)
+    for ax, key, label in ((axes[1], "seconds", "seconds"), (axes[2], "peak_gib", "peak memory (GiB)")):
+        for impl in sorted({r["impl"] for r in results["length_sweep"]}):
+            pts = [r for r in results["length_sweep"]
+                   if r["impl"] == impl and r["mode"] == "forward+backward" and r.get(key, 0) > 0]
+            if pts:
+                ax.plot([r["T"] for r in pts], [r[key] for r in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T (1 x 8 heads x 64, causal)")
+        ax.set_ylabel(label)
+        ax.set_title(f"attention core, forward+backward: {label}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"flax_attn benchmarks on {results['machine']['device']} ({results['machine']['dtype']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_report(results: dict) -> None:
+    m = results["machine"]
+    print(f"\nMachine: {m['device']}, {m['cpu_count']} cores, {m['memory_gib']} GiB; JAX {m['jax']}, torch {m['torch']}; "
+          f"{m['dtype']}; matmul peak measured {results['matmul_peak_tflops'] * 1000:.0f} GFLOP/s")
+    c = results["gpt2_layer_config"]
+    print(f"\nGPT-2-small causal multi-head attention layer (batch {c['batch']}, {c['context']} tokens, "
+          f"{c['d_model']} wide, {c['heads']} heads)")
+    print(f"{'layer':<58} {'forward':>10} {'ratio':>7} {'fwd+bwd':>10} {'ratio':>7}")
+    by = {}
+    for r in results["gpt2_layer"]:
+        by.setdefault(r["layer"], {})[r["mode"]] = r
+    for name, modes in by.items():
+        f, b = modes["forward"], modes["forward+backward"]
+        print(f"{name:<58} {f['seconds']:9.3f}s {f['ratio_to_peer']:6.2f}x {b['seconds']:9.3f}s {b['ratio_to_peer']:6.2f}x")
+    print("\nAttention core, length sweep (1 sequence, 8 heads of 64, causal)")
+    for r in results["length_sweep"]:
+        print("  " + _sweep_line(r))
+    d = results["decoding"]
+    print(f"\nKV-cache decoding after a {d['prefix']}-token prefix: {d['cached_s_per_token'] * 1e3:.2f} ms/token cached, "
+          f"{d['recompute_s_per_token'] * 1e3:.2f} ms/token recomputing the prefix: {d['speedup']:.1f}x")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: a check that it all runs")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--max-length", type=int, default=SWEEP_LENGTHS[-1])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.point:
+        impl, T, mode, reps = args.point
+        print(json.dumps(sweep_point(impl, int(T), mode, int(reps))))
+        return
+
+    info = machine()
+    gpu = info["backend"] == "gpu"
+    repeats = 1 if args.smoke else args.repeats
+    layer_cfg = ({"batch": 1, "context": 64, "d_model": 64, "heads": 4} if args.smoke
+                 else {"batch": 8, "context": 1024, "d_model": 768, "heads": 12})
+    lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
+    impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
+    print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']})", flush=True)
+    results = {"machine": info, "gpt2_layer_config": layer_cfg}
+    results["matmul_peak_tflops"] = matmul_peak_tflops(gpu)
+    print("1. GPT-2-small layer ...", flush=True)
+    results["gpt2_layer"] = gpt2_layer(layer_cfg, repeats, gpu)
+    print("2. length sweep ...", flush=True)
+    results["length_sweep"] = length_sweep(lengths, impls, repeats)
+    print("3. KV-cache decoding ...", flush=True)
+    results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / (info["name"] + ("-smoke" if args.smoke else ""))
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot(results, stem.with_suffix(".png"))
+    print_report(results)
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
