@@ -8,9 +8,10 @@ Layers of the package (imports point down):
    :mod:`flax_attn.t5`, :mod:`flax_attn.basics`;
 2. modules (Flax Linen): :mod:`flax_attn.chapter`, :mod:`flax_attn.transformer`,
    :mod:`flax_attn.layer` (with :mod:`flax_attn.cache`);
-3. interop: :mod:`flax_attn.interop` (PyTorch state_dict <-> Flax params, NumPy only).
+3. interop: :mod:`flax_attn.interop` (PyTorch state_dict <-> Flax params, NumPy only) and
+   :mod:`flax_attn.checkpoint` (Orbax save/restore, checked against the module).
 """
-from flax_attn import alibi, basics, interop, masks, rope, t5
+from flax_attn import alibi, basics, checkpoint, interop, masks, rope, t5
 from flax_attn.alibi import alibi_bias, alibi_slopes
 from flax_attn.attention import dot_product_attention, dropout, masked_softmax, scaled_dot_product_attention
 from flax_attn.cache import KVCache
@@ -55,6 +56,7 @@ __all__ = [
     "StateDictError",
     "TransformerMultiHeadAttention",
     "basics",
+    "checkpoint",
     "count_parameters",
     "create_causal_mask",
     "dot_product_attention",
