@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flax_attn import _checks
+from flax_attn import _checks, masks
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -39,8 +39,7 @@ def alibi_bias(slopes, query_positions, key_positions, *, dtype=jnp.float32):
     Returns:
       ``(N, T, S)`` or ``(B, N, T, S)``, to pass as ``bias`` to ``dot_product_attention``.
     """
-    _checks.check_integer("query_positions", query_positions)
-    _checks.check_integer("key_positions", key_positions)
+    masks._check_position_pair("query_positions", query_positions, "key_positions", key_positions)
     _checks.check_rank("slopes", slopes, 1, "(N,)")
     distance = jnp.abs(query_positions[..., :, None] - key_positions[..., None, :]).astype(dtype)
     return -jnp.asarray(slopes, dtype)[:, None, None] * distance[..., None, :, :]

@@ -36,7 +36,10 @@ def masked_softmax(logits, mask=None, axis: int = -1):
     A row in which nothing may be attended to (all False, or all logits ``-inf``)
     returns zeros, and its gradient is zero: never NaN. Computed in ``logits.dtype``.
     """
+    _checks.check_floating("logits", logits)
     if mask is not None:
+        _checks.check_bool("mask", mask)
+        _checks.check_broadcast("mask", mask, _checks.shape_of(logits), "logits' shape")
         logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=axis, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, jnp.zeros_like(row_max))
@@ -255,6 +258,10 @@ def dot_product_attention(
     _checks.check_rank("value", value, np.ndim(query), "BSKH" if not unbatched else "SKH")
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_floating(name, x)
+    dtypes = {name: _checks.dtype_of(x) for name, x in (("query", query), ("key", key), ("value", value))}
+    if len(set(dtypes.values())) > 1:
+        raise TypeError("query, key and value must have one dtype, got "
+                        + ", ".join(f"{n} {d}" for n, d in dtypes.items()))
     if unbatched:
         query, key, value = query[None], key[None], value[None]
     B, T, N, H = _checks.shape_of(query)
@@ -285,6 +292,9 @@ def dot_product_attention(
     key_segment_ids = _check_positions("key_segment_ids", key_segment_ids, B, S)
     if scale is None:
         scale = 1.0 / math.sqrt(H)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite Python number, got {scale!r}")
     if logit_softcap is not None and not (isinstance(logit_softcap, (int, float)) and logit_softcap > 0):
         raise ValueError(f"logit_softcap must be a positive number, got {logit_softcap!r}")
     _checks.check_rate("dropout_rate", dropout_rate)
@@ -365,6 +375,7 @@ def scaled_dot_product_attention(Q, K, V, mask=None, *, precision: PrecisionLike
     """
     for name, x in (("Q", Q), ("K", K), ("V", V)):
         _checks.check_rank(name, x, tuple(range(2, 9)), "(..., length, dim)")
+        _checks.check_floating(name, x)
     lead, (T, dk) = _checks.shape_of(Q)[:-2], _checks.shape_of(Q)[-2:]
     S = _checks.shape_of(K)[-2]
     if (_checks.shape_of(K)[:-2] != lead or _checks.shape_of(V)[:-2] != lead

@@ -67,6 +67,10 @@ def context_vectors(weights, inputs):
 
 def context_vectors_loop(weights, inputs):
     """Loop form of :func:`context_vectors`: accumulate ``a_j * x_j`` one input at a time."""
+    _checks.check_rank("weights", weights, (1, 2), "(T,) or (T', T)")
+    _checks.check_rank("inputs", inputs, 2, "(T, d)")
+    if weights.shape[-1] != inputs.shape[0]:
+        raise ValueError(f"weights {weights.shape} do not match inputs {inputs.shape} (T)")
     rows = weights[None] if weights.ndim == 1 else weights
     out = []
     for row in rows:
@@ -87,6 +91,8 @@ def self_attention_without_weights(inputs):
 def causal_weights_by_renormalizing(weights):
     """Causal weights the first way: zero the weights above the diagonal, renormalise each row."""
     _checks.check_rank("weights", weights, (2, 3, 4), "(..., T, T)")
+    if weights.shape[-1] != weights.shape[-2]:
+        raise ValueError(f"weights must be square in the last two dims (..., T, T), got {weights.shape}")
     masked = jnp.where(create_causal_mask(weights.shape[-1]), weights, 0)
     return masked / jnp.sum(masked, axis=-1, keepdims=True)
 
@@ -94,4 +100,6 @@ def causal_weights_by_renormalizing(weights):
 def causal_weights_by_masking(scores, *, scale: float = 1.0):
     """Causal weights the second way: block scores above the diagonal, then softmax(scale * s)."""
     _checks.check_rank("scores", scores, (2, 3, 4), "(..., T, T)")
+    if scores.shape[-1] != scores.shape[-2]:
+        raise ValueError(f"scores must be square in the last two dims (..., T, T), got {scores.shape}")
     return masked_softmax(scores * scale, create_causal_mask(scores.shape[-1]))

@@ -30,6 +30,11 @@ from flax_attn.interop import TorchConvertible
 Dtype = Any
 
 
+def _check_sizes(module, *fields) -> None:
+    for field in fields:
+        _checks.check_positive_int(f"{type(module).__name__} {field}", getattr(module, field))
+
+
 def _causal_mask_buffer(context_length: int) -> np.ndarray:
     """The chapter's registered buffer: ``triu(ones(C, C), diagonal=1)`` (1 = blocked)."""
     return np.triu(np.ones((context_length, context_length), np.float32), k=1)
@@ -58,6 +63,7 @@ class SelfAttention_v1(nn.Module, TorchConvertible):
 
     @nn.compact
     def __call__(self, x):
+        _check_sizes(self, "d_in", "d_out")
         _checks.check_rank("SelfAttention_v1 input x", x, (2, 3), "(num_tokens, d_in) or (batch, num_tokens, d_in)")
         if x.shape[-1] != self.d_in:
             raise ValueError(f"SelfAttention_v1 input x has shape {x.shape}: its last dim must be d_in={self.d_in}")
@@ -91,6 +97,7 @@ class SelfAttention_v2(nn.Module, TorchConvertible):
     precision: Any = None
 
     def setup(self):
+        _check_sizes(self, "d_in", "d_out")
         make = lambda: linear(self.d_out, self.d_in, use_bias=self.qkv_bias,
                               param_dtype=self.param_dtype, precision=self.precision)
         self.W_query, self.W_key, self.W_value = make(), make(), make()
@@ -135,6 +142,7 @@ class CausalAttention(nn.Module, TorchConvertible):
     precision: Any = None
 
     def setup(self):
+        _check_sizes(self, "d_in", "d_out", "context_length")
         _checks.check_rate("CausalAttention dropout", self.dropout)
         make = lambda: linear(self.d_out, self.d_in, use_bias=self.qkv_bias,
                               param_dtype=self.param_dtype, precision=self.precision)
@@ -178,7 +186,7 @@ class MultiHeadAttentionWrapper(nn.Module, TorchConvertible):
     precision: Any = None
 
     def setup(self):
-        _checks.check_positive_int("num_heads", self.num_heads)
+        _check_sizes(self, "d_in", "d_out", "context_length", "num_heads")
         self.heads = [
             CausalAttention(self.d_in, self.d_out, self.context_length, self.dropout, self.qkv_bias,
                             param_dtype=self.param_dtype, precision=self.precision)
@@ -235,7 +243,7 @@ class MultiHeadAttention(nn.Module, TorchConvertible):
     implementation: Optional[str] = None
 
     def setup(self):
-        _checks.check_positive_int("num_heads", self.num_heads)
+        _check_sizes(self, "d_in", "d_out", "context_length", "num_heads")
         _checks.check_divides("d_out", self.d_out, "num_heads", self.num_heads)
         _checks.check_rate("MultiHeadAttention dropout", self.dropout)
         make = lambda bias, fan_in: linear(self.d_out, fan_in, use_bias=bias,

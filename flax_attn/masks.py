@@ -40,8 +40,19 @@ def default_positions(query_len: int, key_len: int) -> tuple[jnp.ndarray, jnp.nd
     return query_pos, key_pos
 
 
+def _check_position_pair(q_name, q, k_name, k):
+    _checks.check_integer(q_name, q)
+    _checks.check_integer(k_name, k)
+    _checks.check_rank(q_name, q, (1, 2), "(T,) or (B, T)")
+    _checks.check_rank(k_name, k, (1, 2), "(S,) or (B, S)")
+    qb, kb = _checks.shape_of(q)[:-1], _checks.shape_of(k)[:-1]
+    if qb and kb and qb != kb and 1 not in (qb[0], kb[0]):
+        raise ValueError(f"{q_name} {_checks.shape_of(q)} and {k_name} {_checks.shape_of(k)} have different batches")
+
+
 def causal_mask(query_positions, key_positions) -> jnp.ndarray:
     """``mask[..., t, s] = key_positions[s] <= query_positions[t]``. Shape ``(..., T, S)``."""
+    _check_position_pair("query_positions", query_positions, "key_positions", key_positions)
     return key_positions[..., None, :] <= query_positions[..., :, None]
 
 
@@ -74,6 +85,7 @@ def normalize_window(local_window_size: Optional[Window]) -> Optional[tuple[int,
 def window_mask(query_positions, key_positions, local_window_size: Window) -> jnp.ndarray:
     """Keys within ``left`` positions before and ``right`` after the query. Shape ``(..., T, S)``."""
     left, right = normalize_window(local_window_size)
+    _check_position_pair("query_positions", query_positions, "key_positions", key_positions)
     offset = query_positions[..., :, None] - key_positions[..., None, :]
     return (offset <= left) & (offset >= -right)
 
@@ -85,6 +97,10 @@ def length_mask(query_len: int, key_len: int, query_seq_lengths=None, key_value_
     """
     if query_seq_lengths is None and key_value_seq_lengths is None:
         return None
+    for name, lengths in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)):
+        if lengths is not None:
+            _checks.check_integer(name, lengths)
+            _checks.check_rank(name, lengths, 1, "(B,)")
     mask = jnp.ones((1, query_len, key_len), dtype=bool)
     if query_seq_lengths is not None:
         mask = mask & (jnp.arange(query_len)[None, :, None] < query_seq_lengths[:, None, None])
@@ -99,12 +115,16 @@ def segment_mask(query_segment_ids, key_segment_ids) -> jnp.ndarray:
     Negative ids mark padding: such a key is never attended to, and such a query attends to
     nothing (its output is zeros).
     """
+    _check_position_pair("query_segment_ids", query_segment_ids, "key_segment_ids", key_segment_ids)
     keys = key_segment_ids[..., None, :]
     return (query_segment_ids[..., :, None] == keys) & (keys >= 0)
 
 
 def padding_mask(lengths, seq_len: int) -> jnp.ndarray:
     """``(B, seq_len)`` boolean, True where the position is inside the sequence's length."""
+    _checks.check_integer("lengths", lengths)
+    _checks.check_rank("lengths", lengths, 1, "(B,)")
+    _checks.check_positive_int("seq_len", seq_len)
     return jnp.arange(seq_len)[None, :] < jnp.asarray(lengths)[:, None]
 
 

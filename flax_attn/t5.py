@@ -12,7 +12,7 @@ import math
 
 import jax.numpy as jnp
 
-from flax_attn import _checks
+from flax_attn import _checks, masks
 
 
 def relative_position_bucket(relative_position, *, bidirectional: bool = True, num_buckets: int = 32,
@@ -53,8 +53,7 @@ def t5_bias(table, query_positions, key_positions, *, bidirectional: bool = True
     ``bias[..., n, t, s] = table[bucket(key_positions[s] - query_positions[t]), n]``.
     """
     _checks.check_rank("table", table, 2, "(num_buckets, N)")
-    _checks.check_integer("query_positions", query_positions)
-    _checks.check_integer("key_positions", key_positions)
+    masks._check_position_pair("query_positions", query_positions, "key_positions", key_positions)
     buckets = relative_position_bucket(
         key_positions[..., None, :] - query_positions[..., :, None],
         bidirectional=bidirectional, num_buckets=table.shape[0], max_distance=max_distance)

@@ -47,6 +47,7 @@ class TransformerMultiHeadAttention(nn.Module, TorchConvertible):
     precision: Any = None
 
     def setup(self):
+        _checks.check_positive_int("d_model", self.d_model)
         _checks.check_positive_int("num_heads", self.num_heads)
         _checks.check_divides("d_model", self.d_model, "num_heads", self.num_heads)
         make = lambda: linear(self.d_model, self.d_model, param_dtype=self.param_dtype,
