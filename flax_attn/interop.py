@@ -117,7 +117,11 @@ def params_from_state_dict(state_dict: Mapping[str, Any], template, *,
     for name, expected_value in buffers.items():
         if name not in state_dict:
             continue
-        value = np.asarray(state_dict[name])
+        try:
+            value = _as_numpy(state_dict[name])
+        except TypeError as e:
+            problems.append(f"buffer '{name}' is not an array: {e}")
+            continue
         if value.shape != expected_value.shape:
             problems.append(f"buffer '{name}' has shape {value.shape}, expected {expected_value.shape}")
         elif not np.array_equal(value, expected_value):

@@ -109,3 +109,37 @@ def test_torch_ref_dropout_follows_the_same_rule():
     lo, hi = _binomial_bounds(int(allowed.sum()), 0.5)
     assert lo <= dropped <= hi
     np.testing.assert_allclose(after[after != 0], 2 * before[after != 0], rtol=1e-6)
+
+
+DROPOUT_IN_A_FRESH_PROCESS = """
+import hashlib, random, sys
+import numpy as np, torch
+seed = int(sys.argv[1])
+np.random.seed(seed); random.seed(seed); torch.manual_seed(seed)   # global states that must not matter
+import jax, jax.numpy as jnp
+import flax_attn as fa
+x = jnp.ones((64, 64))
+m = fa.MultiHeadAttention(4, 4, 8, 0.5, 2)
+v = m.init(jax.random.key(0), jnp.ones((2, 8, 4)), deterministic=True)
+a = fa.dropout(x, 0.5, jax.random.key(7))
+b = m.apply(v, jnp.ones((2, 8, 4)), deterministic=False, rngs={"dropout": jax.random.key(7)})
+print(hashlib.sha256(np.asarray(a).tobytes() + np.asarray(b).tobytes()).hexdigest())
+"""
+
+
+def test_dropout_is_a_function_of_its_key_alone_across_processes():
+    import subprocess
+    import sys
+
+    digests = {subprocess.run([sys.executable, "-c", DROPOUT_IN_A_FRESH_PROCESS, str(seed)], capture_output=True,
+                              text=True, check=True).stdout.strip() for seed in (1, 12345)}
+    assert len(digests) == 1 and len(digests.pop()) == 64
+
+
+def test_dropout_leaves_global_random_state_alone():
+    np_state, torch_state = np.random.get_state()[1].copy(), torch.random.get_rng_state().clone()
+    fa.dropout(jnp.ones((8, 8)), 0.5, jax.random.key(0))
+    m, v, x = _setup(fa.CausalAttention, (3, 4, 6), 0.5)
+    m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    np.testing.assert_array_equal(np.random.get_state()[1], np_state)
+    assert torch.equal(torch.random.get_rng_state(), torch_state)

@@ -1,5 +1,6 @@
 """The state_dict converter: one generic, strict mechanism, bit-exact round trips."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -152,3 +153,26 @@ def test_learned_positions_round_trip():
     assert set(sd) == {"wpe.weight"}
     back = fa.to_torch_state_dict(m, fa.from_torch_state_dict(m, sd))
     np.testing.assert_array_equal(back["wpe.weight"], sd["wpe.weight"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bfloat16_round_trips_are_bit_exact(name):
+    t, f = _pair(name, torch.bfloat16)
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    assert all(a.dtype.name == "bfloat16" for a in sd.values())
+    variables = fa.from_torch_state_dict(f, sd)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(variables))
+    back = fa.to_torch_state_dict(f, variables)
+    for key in sd:
+        assert back[key].dtype == sd[key].dtype, key
+        np.testing.assert_array_equal(back[key].view(np.uint16), sd[key].view(np.uint16), err_msg=key)
+    fresh = getattr(tr, name)(*CASES[name]).to(torch.bfloat16)
+    fresh.load_state_dict(tr.state_dict_from_numpy(back), strict=True)
+    for (n1, p1), (n2, p2) in zip(t.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(p1.view(torch.int16), p2.view(torch.int16)), n1
+
+
+def test_bfloat16_torch_tensors_need_the_numpy_helper():
+    t, f = _pair("MultiHeadAttention", torch.bfloat16)
+    with pytest.raises(fa.StateDictError, match="state_dict_to_numpy converts any torch state_dict"):
+        fa.from_torch_state_dict(f, t.state_dict())
