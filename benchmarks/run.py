@@ -1,7 +1,7 @@
 """flax_attn's benchmark suite: one command, every contender measured side by side in one run.
 
     python -m benchmarks.run              # full suite (CPU: float32; NVIDIA GPU: bfloat16, detected)
-    python -m benchmarks.run --smoke      # tiny sizes, one repeat: checks that everything runs
+    python -m benchmarks.run --smoke      # tiny sizes, one repeat, one process: checks that everything runs
 
 1. The GPT-2-small layer (batch 8, context 1024, model dim 768, 12 heads, causal): flax_attn's
    MultiHeadAttention with each implementation, the chapter's layer in torch_ref, a PyTorch
@@ -249,12 +249,17 @@ def _peak_gib(gpu: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def length_sweep(lengths, impls, repeats) -> list[dict]:
+def length_sweep(lengths, impls, repeats, in_process=False) -> list[dict]:
+    """Each point in a fresh process (its peak memory is its own), or here when ``in_process``."""
     rows = []
     for T in lengths:
         for mode in ("forward", "forward+backward"):
             for impl in impls:
                 reps = repeats if T <= 8192 else 1
+                if in_process:
+                    rows.append(sweep_point(impl, T, mode, reps))
+                    print("  ", _sweep_line(rows[-1]), flush=True)
+                    continue
                 cmd = [sys.executable, "-m", "benchmarks.run", "--point", impl, str(T), mode, str(reps)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
                 if proc.returncode != 0:
@@ -411,7 +416,7 @@ def main(argv=None) -> None:
     print("1. GPT-2-small layer ...", flush=True)
     results["gpt2_layer"] = gpt2_layer(layer_cfg, repeats, gpu)
     print("2. length sweep ...", flush=True)
-    results["length_sweep"] = length_sweep(lengths, impls, repeats)
+    results["length_sweep"] = length_sweep(lengths, impls, repeats, in_process=args.smoke)
     print("3. KV-cache decoding ...", flush=True)
     results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -133,7 +133,7 @@ def test_batch_items_are_independent(p):
         assert np.abs(alone[0] - out[b]).max() <= TOL[np.dtype(p["dtype"])] * scale
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=8)
 @given(problems())
 def test_jit_equals_eager(p):
     eager, jitted = attend(p, jit=False), attend(p)
