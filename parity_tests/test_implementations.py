@@ -179,6 +179,8 @@ def test_automatic_choice_on_cpu():
     assert jax.default_backend() == "cpu"
     assert choose_implementation(_request()) == "blockwise"
     assert choose_implementation(_request(T=1, S=1024)) == "xla"      # one decoding step
+    assert choose_implementation(_request(T=64, S=64)) == "xla"       # below the measured crossover
+    assert choose_implementation(_request(T=128, S=128)) == "blockwise"
     assert choose_implementation(_request(dropout=True)) == "xla"     # blockwise has no dropout
     assert choose_implementation(_request(weights=True)) == "xla"
     assert choose_implementation(_request(segments=True, mask=True, softcap=True)) == "blockwise"
