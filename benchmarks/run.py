@@ -10,10 +10,12 @@
    forward+backward (gradients of the input and every parameter), compiled, warm-up excluded,
    median over repeats taken in turns (contender by contender, repeat by repeat).
 2. A length sweep of the attention core (1 sequence, 8 heads of 64, causal, 1k to 64k tokens):
-   time and peak memory, each point in a fresh process: the peak resident memory above the
-   process's baseline once the inputs exist (for JAX this includes compiling), and for JAX also
-   XLA's own estimate of the program's temporaries and outputs. Points whose program would need
-   more memory than the machine has are not run; the estimate is reported instead.
+   time and peak memory, each point in a fresh process: the peak resident memory of the timed
+   runs above the memory held before them (inputs made, JAX program compiled; on Linux the
+   peak is reset through /proc/self/clear_refs), and for JAX also XLA's own estimate of the
+   program's temporaries and outputs. Points whose program would need more memory than the
+   machine has are not run; the estimate is reported instead. Beyond 8k tokens each point is
+   timed once, without a warm-up run.
 3. KV-cache decoding with flax_attn.Attention (768 wide, 12 heads, RoPE): time per generated
    token with the cache against recomputing the whole prefix, after a 1024-token prefix.
 
@@ -26,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -83,13 +84,17 @@ def _sync(out):
 
 
 def time_in_turns(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    """Median seconds of each zero-argument function, timed in turns (one of each per round)."""
+    """Median seconds of each zero-argument function, timed in turns: every round runs each
+    function once, in a new random order (so that no contender always follows the same one)."""
     for fn in fns.values():
         for _ in range(warmup):
             _sync(fn())
     samples = {name: [] for name in fns}
+    order = np.random.default_rng(0)
+    names = list(fns)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name in order.permutation(names):
+            fn = fns[name]
             start = time.perf_counter()
             _sync(fn())
             samples[name].append(time.perf_counter() - start)
@@ -199,7 +204,6 @@ def sweep_point(impl: str, T: int, mode: str, repeats: int, heads: int = 8, head
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal((1, T, heads, head_dim)).astype(np.float32) for _ in range(3)]
     result = {"impl": impl, "T": T, "mode": mode}
-    baseline = _peak_gib(gpu)  # after the inputs exist; JAX's compilation counts towards the peak
     if impl == "torch SDPA":
         dev, dt = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
         q, k, v = (torch.from_numpy(a).to(dev, dt).transpose(1, 2).contiguous().requires_grad_(mode != "forward")
@@ -233,7 +237,8 @@ def sweep_point(impl: str, T: int, mode: str, repeats: int, heads: int = 8, head
             result["skipped"] = f"needs {need:.1f} GiB (XLA's estimate), more than {budget:.0f} GiB"
             return result
         run = lambda: compiled(q, k, v)
-    t = time_in_turns({"x": run}, repeats, warmup=1)["x"]
+    baseline = _reset_peak(gpu)
+    t = time_in_turns({"x": run}, repeats, warmup=1 if T <= 8192 else 0)["x"]
     result["seconds"] = t
     result["peak_gib"] = max(_peak_gib(gpu) - baseline, 0.0)
     flops = 4 * heads * T * T * head_dim / 2  # causal: half of QK^T and PV
@@ -241,12 +246,30 @@ def sweep_point(impl: str, T: int, mode: str, repeats: int, heads: int = 8, head
     return result
 
 
+def _status_gib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**20  # kB
+    raise KeyError(field)
+
+
+def _reset_peak(gpu: bool) -> float:
+    """Start measuring the peak afresh; returns the memory held now (GiB)."""
+    if gpu:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**30
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    return _status_gib("VmRSS")
+
+
 def _peak_gib(gpu: bool) -> float:
     if gpu:
         import torch
 
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return _status_gib("VmHWM")
 
 
 def length_sweep(lengths, impls, repeats, in_process=False) -> list[dict]:

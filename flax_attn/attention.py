@@ -16,7 +16,6 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from flax_attn import _checks
 from flax_attn import masks as masks_lib
@@ -33,21 +32,21 @@ BLOCKWISE_MIN_LENGTH = 128
 
 
 def masked_softmax(logits, mask=None, axis: int = -1):
-    """Softmax over ``axis`` where ``mask`` is False contributes nothing.
+    """Softmax over ``axis`` where ``mask`` is False (or the logit is ``-inf``) contributes nothing.
 
-    A row in which nothing may be attended to (all False, or all logits ``-inf``)
-    returns zeros, and its gradient is zero: never NaN. Computed in ``logits.dtype``.
+    A row in which nothing may be attended to returns zeros, and its gradient is zero: never
+    NaN (a NaN logit still propagates). Computed in ``logits.dtype``.
     """
     _checks.check_floating("logits", logits)
+    allowed = logits != -jnp.inf
     if mask is not None:
         _checks.check_bool("mask", mask)
         _checks.check_broadcast("mask", mask, _checks.shape_of(logits), "logits' shape")
-        logits = jnp.where(mask, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=axis, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, jnp.zeros_like(row_max))
-    unnormalized = jnp.exp(logits - lax.stop_gradient(row_max))
-    denom = jnp.sum(unnormalized, axis=axis, keepdims=True)
-    return unnormalized / jnp.where(denom == 0, jnp.ones_like(denom), denom)
+        allowed = allowed & mask
+    # Blocked entries get the most negative finite value: exp underflows to 0 beside any allowed
+    # entry, and a row with none gives a finite uniform row, multiplied by 0 below.
+    weights = jax.nn.softmax(jnp.where(allowed, logits, jnp.finfo(logits.dtype).min), axis=axis)
+    return weights * jnp.any(allowed, axis=axis, keepdims=True).astype(weights.dtype)
 
 
 def dropout(x, rate: float, rng) -> Array:
@@ -155,15 +154,18 @@ def choose_implementation(r: _Request) -> str:
 
 def _attention_xla(query, key, value, bias, mask, *, scale, logit_softcap, dropout_rate,
                    dropout_rng, precision, return_weights):
-    """Reference path: materialises the (B, N, T, S) logits. Inputs already validated, 4-D."""
+    """Reference path: materialises the (B, N, T, S) logits. Inputs already validated, 4-D.
+
+    Grouped-query attention without repeating keys: the G query heads of each key/value head
+    are folded into its query axis, ``BKRH,BSKH->BKRS`` with R = G*T (MHA: G = 1, MQA: K = 1).
+    """
     B, T, N, H = query.shape
     S, K = key.shape[1], key.shape[2]
     G = N // K
     acc = jnp.promote_types(query.dtype, jnp.float32)
-    q = query.reshape(B, T, K, G, H)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, precision=precision,
-                        preferred_element_type=acc)
-    logits = logits * jnp.asarray(scale, acc)
+    q = query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    logits = jnp.einsum("BKRH,BSKH->BKRS", q, key, precision=precision, preferred_element_type=acc)
+    logits = logits.reshape(B, K, G, T, S) * jnp.asarray(scale, acc)
     if logit_softcap is not None:
         cap = jnp.asarray(logit_softcap, acc)
         logits = cap * jnp.tanh(logits / cap)
@@ -172,9 +174,10 @@ def _attention_xla(query, key, value, bias, mask, *, scale, logit_softcap, dropo
     weights = masked_softmax(logits, None if mask is None else _grouped(mask, K, G))
     if dropout_rate > 0.0:
         weights = dropout(weights, dropout_rate, dropout_rng)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(value.dtype), value,
+    out = jnp.einsum("BKRS,BSKH->BKRH", weights.astype(value.dtype).reshape(B, K, G * T, S), value,
                      precision=precision, preferred_element_type=acc)
-    out = out.reshape(B, T, N, value.shape[-1]).astype(query.dtype)
+    out = out.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4).reshape(B, T, N, value.shape[-1])
+    out = out.astype(query.dtype)
     if return_weights:
         return out, weights.reshape(B, N, T, S).astype(query.dtype)
     return out

@@ -113,7 +113,17 @@ class SelfAttention_v2(nn.Module, TorchConvertible):
         return (jnp.zeros((1, self.d_in), self.param_dtype),)
 
 
-class CausalAttention(nn.Module, TorchConvertible):
+class _Batched(TorchConvertible):
+    """The batched chapter modules: inputs ``(B, T, d_in)`` and a ``deterministic`` flag."""
+
+    def example_inputs(self):
+        return (jnp.zeros((1, 1, self.d_in), self.param_dtype),)
+
+    def example_kwargs(self):
+        return {"deterministic": True}
+
+
+class CausalAttention(nn.Module, _Batched):
     """Single-head causal self-attention with dropout on the attention weights.
 
         out_t = sum_{s <= t} softmax_s(q_t . k_s / sqrt(d_out)) v_s
@@ -156,17 +166,11 @@ class CausalAttention(nn.Module, TorchConvertible):
                                     dropout_rng=rng, precision=self.precision)
         return out[:, :, 0, :]
 
-    def example_inputs(self):
-        return (jnp.zeros((1, 1, self.d_in), self.param_dtype),)
-
-    def example_kwargs(self):
-        return {"deterministic": True}
-
     def torch_buffers(self):
         return {"mask": _causal_mask_buffer(self.context_length)}
 
 
-class MultiHeadAttentionWrapper(nn.Module, TorchConvertible):
+class MultiHeadAttentionWrapper(nn.Module, _Batched):
     """``num_heads`` independent :class:`CausalAttention` heads, outputs concatenated.
 
     Call:
@@ -197,18 +201,12 @@ class MultiHeadAttentionWrapper(nn.Module, TorchConvertible):
         check_tokens("MultiHeadAttentionWrapper", x, self.d_in, self.context_length)
         return jnp.concatenate([head(x, deterministic=deterministic) for head in self.heads], axis=-1)
 
-    def example_inputs(self):
-        return (jnp.zeros((1, 1, self.d_in), self.param_dtype),)
-
-    def example_kwargs(self):
-        return {"deterministic": True}
-
     def torch_buffers(self):
         mask = _causal_mask_buffer(self.context_length)
         return {f"heads.{i}.mask": mask for i in range(self.num_heads)}
 
 
-class MultiHeadAttention(nn.Module, TorchConvertible):
+class MultiHeadAttention(nn.Module, _Batched):
     """Causal multi-head self-attention with one projection per Q/K/V split into heads (GPT-2's).
 
         head_i = CausalAttention(Q_i, K_i, V_i),  out = concat(head_1..head_h) W_out + b_out
@@ -268,12 +266,6 @@ class MultiHeadAttention(nn.Module, TorchConvertible):
                                     dropout_rng=rng, precision=self.precision,
                                     implementation=self.implementation)
         return self.out_proj(ctx.reshape(b, t, self.d_out))
-
-    def example_inputs(self):
-        return (jnp.zeros((1, 1, self.d_in), self.param_dtype),)
-
-    def example_kwargs(self):
-        return {"deterministic": True}
 
     def torch_buffers(self):
         return {"mask": _causal_mask_buffer(self.context_length)}
