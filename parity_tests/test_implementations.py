@@ -95,16 +95,14 @@ def test_blockwise_equals_reference(feature, shape, heads, small_blocks):
     _check_blockwise(feature, shape, heads, np.float64)
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("feature", FEATURES)
-def test_blockwise_equals_reference_float32(feature, shape, small_blocks):
-    _check_blockwise(feature, shape, (4, 2), np.float32)
+def test_blockwise_equals_reference_float32(feature, small_blocks):
+    _check_blockwise(feature, "T<S", (4, 2), np.float32)
 
 
-@pytest.mark.parametrize("blocks", ["16-8-8", "7-6-3"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("blocks, shape", [("16-8-8", "T<S"), ("7-6-3", "T>S")])
 @pytest.mark.parametrize("feature", FEATURES)
-def test_blockwise_equals_reference_other_blocks(feature, shape, blocks, small_blocks):
+def test_blockwise_equals_reference_other_blocks(feature, blocks, shape, small_blocks):
     small_blocks(*BLOCKS[blocks])
     _check_blockwise(feature, shape, (4, 2), np.float64)
 
