@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -41,11 +42,20 @@ SWEEP_LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 
 # --------------------------------------------------------------------------- the machine
 
+# Dense bfloat16 tensor-core rates from NVIDIA's datasheets (TFLOP/s), by device-name prefix;
+# first match wins. The run also measures a matmul rate, the ceiling it reports fractions of.
+DATASHEET_BF16_TFLOPS = (("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200 NVL", 835.0),
+                         ("NVIDIA H100", 989.0), ("NVIDIA H200", 989.0))
+
+
 def machine() -> dict:
     import jax
     import torch
 
-    gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    gpu = jax.default_backend() == "gpu"
+    if gpu and not torch.cuda.is_available():
+        sys.exit("JAX runs on a GPU but this torch has no CUDA: install a CUDA build of torch so that both "
+                 "frameworks are measured on the same device")
     info = {
         "backend": "gpu" if gpu else "cpu",
         "device": torch.cuda.get_device_name() if gpu else _cpu_name(),
@@ -58,6 +68,9 @@ def machine() -> dict:
         "date": time.strftime("%Y-%m-%d"),
     }
     info["name"] = f"{info['backend']}-{info['device'].replace(' ', '-').lower()}-{info['cpu_count']}cores"
+    if gpu:
+        info["datasheet_bf16_tflops"] = next((t for prefix, t in DATASHEET_BF16_TFLOPS
+                                              if info["device"].startswith(prefix)), None)
     return info
 
 
@@ -167,6 +180,14 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
 PEER = "PyTorch layer on F.scaled_dot_product_attention (peer)"
 
 
+def layer_flops(cfg: dict) -> dict:
+    """Model FLOPs of the causal layer: four D x D projections and the causal half of QK^T and
+    PV; the backward pass counted as twice the forward."""
+    B, T, D = cfg["batch"], cfg["context"], cfg["d_model"]
+    forward = 4 * 2 * B * T * D * D + 2 * B * T * T * D
+    return {"forward": forward, "forward+backward": 3 * forward}
+
+
 class _Deterministic:
     """Adapter: call a dropout-capable flax_attn module with deterministic=True."""
 
@@ -237,10 +258,11 @@ def sweep_point(impl: str, T: int, mode: str, repeats: int, heads: int = 8, head
             result["skipped"] = f"needs {need:.1f} GiB (XLA's estimate), more than {budget:.0f} GiB"
             return result
         run = lambda: compiled(q, k, v)
-    baseline = _reset_peak(gpu)
+    side = "torch" if impl == "torch SDPA" else "jax"
+    baseline = _reset_peak(gpu, side)
     t = time_in_turns({"x": run}, repeats, warmup=1 if T <= 8192 else 0)["x"]
     result["seconds"] = t
-    result["peak_gib"] = max(_peak_gib(gpu) - baseline, 0.0)
+    result["peak_gib"] = max(_peak_gib(gpu, side) - baseline, 0.0)
     flops = 4 * heads * T * T * head_dim / 2  # causal: half of QK^T and PV
     result["tflops"] = (flops * (1 if mode == "forward" else 3.5)) / t / 1e12
     return result
@@ -253,22 +275,35 @@ def _status_gib(field: str) -> float:
     raise KeyError(field)
 
 
-def _reset_peak(gpu: bool) -> float:
-    """Start measuring the peak afresh; returns the memory held now (GiB)."""
-    if gpu:
+def _reset_peak(gpu: bool, side: str) -> float:
+    """Start measuring the peak afresh; returns the memory held now (GiB).
+
+    CPU: the process's resident memory. GPU: the allocator of the framework that runs (``side``
+    is 'torch' or 'jax'); JAX's peak cannot be reset, but each point runs in a fresh process
+    whose only program is the one timed.
+    """
+    if gpu and side == "torch":
         import torch
 
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated() / 2**30
+    if gpu:
+        import jax
+
+        return jax.devices()[0].memory_stats()["bytes_in_use"] / 2**30
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     return _status_gib("VmRSS")
 
 
-def _peak_gib(gpu: bool) -> float:
-    if gpu:
+def _peak_gib(gpu: bool, side: str) -> float:
+    if gpu and side == "torch":
         import torch
 
         return torch.cuda.max_memory_allocated() / 2**30
+    if gpu:
+        import jax
+
+        return jax.devices()[0].memory_stats()["peak_bytes_in_use"] / 2**30
     return _status_gib("VmHWM")
 
 
@@ -284,7 +319,10 @@ def length_sweep(lengths, impls, repeats, in_process=False) -> list[dict]:
                     print("  ", _sweep_line(rows[-1]), flush=True)
                     continue
                 cmd = [sys.executable, "-m", "benchmarks.run", "--point", impl, str(T), mode, str(reps)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                # On a GPU, JAX would reserve most of its memory at start-up, leaving PyTorch little.
+                env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if impl == "torch SDPA" else None
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                      cwd=Path(__file__).resolve().parents[1])
                 if proc.returncode != 0:
                     rows.append({"impl": impl, "T": T, "mode": mode, "failed": proc.stderr.strip().splitlines()[-1:]})
                 else:
@@ -293,11 +331,12 @@ def length_sweep(lengths, impls, repeats, in_process=False) -> list[dict]:
     return rows
 
 
-def _sweep_line(r: dict) -> str:
+def _sweep_line(r: dict, peak_tflops: Optional[float] = None) -> str:
     head = f"{r['impl']:<10} T={r['T']:<6} {r['mode']:<17}"
     if "seconds" in r:
+        rate = f"{r['tflops']:7.2f} TFLOP/s" + (f" ({r['tflops'] / peak_tflops:4.0%} of peak)" if peak_tflops else "")
         estimate = f"  (XLA estimate {r['xla_estimate_gib']:.2f} GiB)" if "xla_estimate_gib" in r else ""
-        return head + f" {r['seconds']:9.3f} s  peak {r['peak_gib']:6.2f} GiB{estimate}"
+        return head + f" {r['seconds']:9.3f} s  {rate}  peak {r['peak_gib']:6.2f} GiB{estimate}"
     return head + f" {r.get('skipped') or r.get('failed')}"
 
 
@@ -394,20 +433,24 @@ def plot(results: dict, path: Path) -> None:
 def print_report(results: dict) -> None:
     m = results["machine"]
     print(f"\nMachine: {m['device']}, {m['cpu_count']} cores, {m['memory_gib']} GiB; JAX {m['jax']}, torch {m['torch']}; "
-          f"{m['dtype']}; matmul peak measured {results['matmul_peak_tflops'] * 1000:.0f} GFLOP/s")
+          f"{m['dtype']}; matmul peak measured {results['matmul_peak_tflops'] * 1000:.0f} GFLOP/s"
+          + (f" (datasheet {m['datasheet_bf16_tflops']:.0f} TFLOP/s)" if m.get("datasheet_bf16_tflops") else ""))
     c = results["gpt2_layer_config"]
     print(f"\nGPT-2-small causal multi-head attention layer (batch {c['batch']}, {c['context']} tokens, "
           f"{c['d_model']} wide, {c['heads']} heads)")
-    print(f"{'layer':<58} {'forward':>10} {'ratio':>7} {'fwd+bwd':>10} {'ratio':>7}")
+    flops = layer_flops(c)
+    print(f"{'layer':<58} {'forward':>10} {'ratio':>7} {'TFLOP/s':>8} {'fwd+bwd':>10} {'ratio':>7} {'TFLOP/s':>8}")
     by = {}
     for r in results["gpt2_layer"]:
         by.setdefault(r["layer"], {})[r["mode"]] = r
     for name, modes in by.items():
         f, b = modes["forward"], modes["forward+backward"]
-        print(f"{name:<58} {f['seconds']:9.3f}s {f['ratio_to_peer']:6.2f}x {b['seconds']:9.3f}s {b['ratio_to_peer']:6.2f}x")
-    print("\nAttention core, length sweep (1 sequence, 8 heads of 64, causal)")
+        print(f"{name:<58} {f['seconds']:9.3f}s {f['ratio_to_peer']:6.2f}x {flops['forward'] / f['seconds'] / 1e12:8.3f} "
+              f"{b['seconds']:9.3f}s {b['ratio_to_peer']:6.2f}x {flops['forward+backward'] / b['seconds'] / 1e12:8.3f}")
+    print("\nAttention core, length sweep (1 sequence, 8 heads of 64, causal; FLOPs: causal half of QK^T and PV, "
+          "backward 2.5x forward)")
     for r in results["length_sweep"]:
-        print("  " + _sweep_line(r))
+        print("  " + _sweep_line(r, results["matmul_peak_tflops"]))
     d = results["decoding"]
     print(f"\nKV-cache decoding after a {d['prefix']}-token prefix: {d['cached_s_per_token'] * 1e3:.2f} ms/token cached, "
           f"{d['recompute_s_per_token'] * 1e3:.2f} ms/token recomputing the prefix: {d['speedup']:.1f}x")
