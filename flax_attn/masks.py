@@ -97,15 +97,11 @@ def length_mask(query_len: int, key_len: int, query_seq_lengths=None, key_value_
     """
     if query_seq_lengths is None and key_value_seq_lengths is None:
         return None
-    for name, lengths in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)):
-        if lengths is not None:
-            _checks.check_integer(name, lengths)
-            _checks.check_rank(name, lengths, 1, "(B,)")
     mask = jnp.ones((1, query_len, key_len), dtype=bool)
     if query_seq_lengths is not None:
-        mask = mask & (jnp.arange(query_len)[None, :, None] < query_seq_lengths[:, None, None])
+        mask = mask & padding_mask(query_seq_lengths, query_len, name="query_seq_lengths")[:, :, None]
     if key_value_seq_lengths is not None:
-        mask = mask & (jnp.arange(key_len)[None, None, :] < key_value_seq_lengths[:, None, None])
+        mask = mask & padding_mask(key_value_seq_lengths, key_len, name="key_value_seq_lengths")[:, None, :]
     return mask
 
 
@@ -120,10 +116,13 @@ def segment_mask(query_segment_ids, key_segment_ids) -> jnp.ndarray:
     return (query_segment_ids[..., :, None] == keys) & (keys >= 0)
 
 
-def padding_mask(lengths, seq_len: int) -> jnp.ndarray:
-    """``(B, seq_len)`` boolean, True where the position is inside the sequence's length."""
-    _checks.check_integer("lengths", lengths)
-    _checks.check_rank("lengths", lengths, 1, "(B,)")
+def padding_mask(lengths, seq_len: int, *, name: str = "lengths") -> jnp.ndarray:
+    """``(B, seq_len)`` boolean, True where the position is inside the sequence's length.
+
+    ``name`` is the argument named in errors.
+    """
+    _checks.check_integer(name, lengths)
+    _checks.check_rank(name, lengths, 1, "(B,)")
     _checks.check_positive_int("seq_len", seq_len)
     return jnp.arange(seq_len)[None, :] < jnp.asarray(lengths)[:, None]
 
