@@ -9,6 +9,7 @@ import torch
 
 import flax_attn as fa
 import torch_ref as tr
+from torch_ref.compare import max_rel_error
 from flax_attn import blockwise
 from flax_attn.attention import _Request, choose_implementation
 from conftest import DTYPES, assert_close, run_parity
@@ -209,10 +210,9 @@ def test_cudnn_equals_reference_on_gpu(causal):
     bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
     f32 = [x.astype(jnp.float32) for x in bf16]
     f = lambda impl: (lambda *a: fa.dot_product_attention(*a, is_causal=causal, implementation=impl))
-    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
-    assert rel(f("cudnn")(*bf16), f("xla")(*f32)) < 1e-2
+    assert max_rel_error(f("cudnn")(*bf16), f("xla")(*f32)) < 1e-2
     loss = lambda impl: (lambda *a: jnp.sum(f(impl)(*a).astype(jnp.float32) * jnp.cos(jnp.arange(64.0))))
     g = jax.grad(loss("cudnn"), argnums=(0, 1, 2))(*bf16)
     g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(*f32)
     for a, b in zip(g, g_ref):
-        assert rel(a, b) < 1e-2
+        assert max_rel_error(a, b) < 1e-2
