@@ -202,13 +202,15 @@ class _Deterministic:
 
 
 def _auto_choice(B, T, N, H, dtype) -> str:
-    import numpy as np
+    """The implementation the automatic choice takes for this causal self-attention call."""
+    import jax
 
-    from flax_attn.attention import _Request, choose_implementation
+    from flax_attn.core import registry
+    from flax_attn.core.call import describe
 
-    return choose_implementation(_Request(dtype=np.dtype(dtype), T=T, S=T, H=H, Hv=H, dropout=False, weights=False,
-                                          softcap=False, mask=False, positions=False, segments=False, lengths=False,
-                                          window=False, causal=True))
+    q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+    call = describe(q, q, q, is_causal=True)
+    return registry.choose(call).name
 
 
 # --------------------------------------------------------------------------- 2. length sweep

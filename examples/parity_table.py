@@ -46,8 +46,8 @@ def layer_case(cfg, packed=False, cross=False):
 
     def run(dtype):
         torch.manual_seed(0)
-        return compare_module(tr.modern.Attention(**config.torch_kwargs()), fa.Attention(config), inputs, dtype,
-                              flax_kwargs={"deterministic": True}, eager=True)
+        layer = fa.Attention(config)
+        return compare_module(tr.twin(layer), layer, inputs, dtype, flax_kwargs={"deterministic": True}, eager=True)
     return run
 
 
@@ -71,7 +71,7 @@ CASES = [
         lambda a, b, c: fa.scaled_dot_product_attention(a, b, c, jnp.asarray(causal, bool)), (q, kv, kv), d, eager=True)),
     ("TransformerMHA (cross, masked)", module_case(
         "TransformerMultiHeadAttention", (12, 3), (q, kv, kv),
-        torch_kwargs={"mask": torch.from_numpy(causal)}, flax_kwargs={"mask": jnp.asarray(causal, bool)})),
+        torch_call_kwargs={"mask": torch.from_numpy(causal)}, flax_kwargs={"mask": jnp.asarray(causal, bool)})),
     ("Attention: GQA + RoPE", layer_case({"num_kv_heads": 2})),
     ("Attention: MQA + interleaved RoPE", layer_case({"num_kv_heads": 1, "rope_layout": "interleaved"})),
     ("Attention: RoPE partial + YaRN", layer_case({"rotary_dim": 2, "rope_scaling": {

@@ -1,35 +1,55 @@
 """flax_attn: attention variants and positional encodings for JAX/Flax, each held equal to a
 PyTorch reference (``torch_ref``) by parity tests.
 
-Layers of the package (imports point down):
+Rooms of the package (imports point down the list):
 
-1. functional core: :mod:`flax_attn.attention`, :mod:`flax_attn.masks`,
-   :mod:`flax_attn.positional`, :mod:`flax_attn.rope`, :mod:`flax_attn.alibi`,
-   :mod:`flax_attn.t5`, :mod:`flax_attn.basics`;
-2. modules (Flax Linen): :mod:`flax_attn.chapter`, :mod:`flax_attn.transformer`,
-   :mod:`flax_attn.layer` (with :mod:`flax_attn.cache`);
-3. interop: :mod:`flax_attn.interop` (PyTorch state_dict <-> Flax params, NumPy only) and
-   :mod:`flax_attn.checkpoint` (Orbax save/restore, checked against the module).
+1. :mod:`flax_attn.core`: the attention core: :func:`dot_product_attention`, the mask
+   description (:mod:`flax_attn.core.mask`, also ``flax_attn.masks``), the registry of
+   implementations (xla, blockwise, cudnn; one file each);
+2. :mod:`flax_attn.positional`: positional encodings as pure functions of explicit positions
+   (:mod:`~flax_attn.positional.rope`, :mod:`~flax_attn.positional.alibi`,
+   :mod:`~flax_attn.positional.t5`, :mod:`~flax_attn.positional.sinusoidal`);
+3. :mod:`flax_attn.layers`: Flax Linen layers for new models: :class:`Attention` with
+   :class:`AttentionConfig`, :class:`KVCache`, :class:`LearnedPositionalEmbedding`;
+4. :mod:`flax_attn.textbook`: the chapter's and the Transformer notes' code, reproduced
+   (``basics``, ``MultiHeadAttention`` and the other chapter modules,
+   ``scaled_dot_product_attention``, ``create_causal_mask``, ``TransformerMultiHeadAttention``);
+5. interop: :mod:`flax_attn.interop` (the registry of PyTorch twins; state_dict <-> Flax
+   params, NumPy only) and :mod:`flax_attn.checkpoint` (Orbax save/restore, checked against
+   the module).
+
+Every public name is importable from here; ``flax_attn.rope``, ``flax_attn.alibi``,
+``flax_attn.t5`` and ``flax_attn.basics`` are the submodules of the same names.
 """
-from flax_attn import alibi, basics, checkpoint, interop, masks, rope, t5
-from flax_attn.alibi import alibi_bias, alibi_slopes
-from flax_attn.attention import dot_product_attention, dropout, masked_softmax, scaled_dot_product_attention
-from flax_attn.cache import KVCache
-from flax_attn.layer import Attention, AttentionConfig
-from flax_attn.rope import RopeScaling, apply_rope, rope_frequencies
-from flax_attn.t5 import relative_position_bucket, t5_bias
-from flax_attn.chapter import (
+from flax_attn.positional import alibi, rope, t5
+from flax_attn.textbook import basics
+from flax_attn import checkpoint, core, interop
+from flax_attn.core import dot_product_attention, dropout, masked_softmax
+from flax_attn.core import mask as masks
+from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
+from flax_attn.layers import Attention, AttentionConfig, KVCache, LearnedPositionalEmbedding
+from flax_attn.positional import (
+    RopeScaling,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    positional_encoding,
+    relative_position_bucket,
+    rope_frequencies,
+    sinusoidal_positions,
+    t5_bias,
+)
+from flax_attn.textbook import (
     CausalAttention,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention_v1,
     SelfAttention_v2,
+    TransformerMultiHeadAttention,
     count_parameters,
+    create_causal_mask,
+    scaled_dot_product_attention,
 )
-from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
-from flax_attn.masks import create_causal_mask
-from flax_attn.positional import LearnedPositionalEmbedding, positional_encoding, sinusoidal_positions
-from flax_attn.transformer import TransformerMultiHeadAttention
 
 __version__ = "0.1.0"
 
@@ -57,6 +77,7 @@ __all__ = [
     "TransformerMultiHeadAttention",
     "basics",
     "checkpoint",
+    "core",
     "count_parameters",
     "create_causal_mask",
     "dot_product_attention",

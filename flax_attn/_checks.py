@@ -49,15 +49,24 @@ def check_integer(name: str, x) -> None:
         raise TypeError(f"{name} must be an integer array, got dtype {dtype}")
 
 
-def check_broadcast(name: str, x, target: Sequence[int], layout: str) -> tuple[int, ...]:
+def dim_is(d, choices) -> bool:
+    """``d`` equals one of ``choices``; symbolic dimensions (``jax.export``) compare without ``int()``."""
+    return any(d is c or d == c for c in choices)
+
+
+def dims_equal(a: Sequence, b: Sequence) -> bool:
+    return len(a) == len(b) and all(dim_is(x, (y,)) for x, y in zip(a, b))
+
+
+def check_broadcast(name: str, x, target: Sequence, layout: str) -> tuple:
     """Raise unless ``x`` broadcasts to ``target`` (each dim 1 or equal, rank at most len(target)).
 
     Returns the shape left-padded with ones to the target's rank.
     """
     shape = shape_of(x)
-    target = tuple(int(t) for t in target)
+    target = tuple(target)
     padded = (1,) * (len(target) - len(shape)) + shape
-    if len(shape) > len(target) or any(s not in (1, t) for s, t in zip(padded, target)):
+    if len(shape) > len(target) or not all(dim_is(s, (1, t)) for s, t in zip(padded, target)):
         raise ValueError(
             f"{name} of shape {shape} does not broadcast to {layout} = {target}"
         )

@@ -10,22 +10,40 @@ and each leaf has one PyTorch name:
 * any other leaf (``bias``, a raw ``nn.Parameter`` such as ``W_query``) keeps its name and layout.
 
 Registered buffers (the chapter's causal ``mask``) are not parameters in flax_attn: masks are
-computed. A module declares the buffers its PyTorch twin carries; on the way in each is
-checked against the expected value and skipped on purpose, on the way out it is written back
-so that ``load_state_dict(strict=True)`` accepts the result.
+computed. The twin registry says which buffers a module's PyTorch twin carries; on the way in
+each is checked against the expected value and skipped on purpose, on the way out it is
+written back so that ``load_state_dict(strict=True)`` accepts the result.
+
+The twin registry: modules do not know about PyTorch. For each flax_attn module class one
+:class:`Twin` record (:func:`register_twin`, looked up with :func:`twin_of`) names its twin in
+``torch_ref`` as a dotted string, says how to build the twin's constructor arguments from the
+module, which inputs initialise the module (for :func:`param_template`) and which buffers the
+twin registers. ``torch_ref.twin(module)`` builds the twin from the record. The registrations
+of flax_attn's own modules are at the end of this file.
 
 Missing, unexpected, mis-shaped and wrongly typed entries are collected and raised together
 in one :class:`StateDictError`. Values are copied bit for bit (transposes only).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+
+from flax_attn.layers import Attention, LearnedPositionalEmbedding
+from flax_attn.textbook import (
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+    TransformerMultiHeadAttention,
+)
 
 _LEAF_TO_TORCH = {"kernel": "weight", "embedding": "weight", "scale": "weight"}
 
@@ -34,21 +52,78 @@ class StateDictError(ValueError):
     """A state_dict that does not fit the module; the message lists every problem."""
 
 
-class TorchConvertible:
-    """Mixin for modules with a PyTorch twin in ``torch_ref``.
+def _no_kwargs(module) -> dict:
+    return {}
 
-    ``example_inputs`` gives arguments that initialise the module (any values: only shapes
-    matter); ``torch_buffers`` the buffers the twin registers, by state_dict name.
+
+def _no_buffers(module) -> dict[str, np.ndarray]:
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Twin:
+    """A flax_attn module class and its PyTorch twin in ``torch_ref``.
+
+    Each callable takes the flax module (an instance of ``module``) and reads its fields.
+
+    Attributes:
+      module: the flax_attn module class.
+      torch: the twin's class as a dotted name, e.g. ``'torch_ref.modern.Attention'`` (a string:
+        flax_attn never imports torch; ``torch_ref.twin`` imports it).
+      kwargs: module -> the twin's constructor keyword arguments.
+      example_inputs: module -> positional arguments that initialise the module (any values:
+        only shapes and dtypes matter).
+      example_kwargs: module -> keyword arguments for that initialisation.
+      buffers: module -> the buffers the twin registers, by state_dict name.
     """
 
-    def example_inputs(self) -> tuple:
-        raise NotImplementedError
+    module: type
+    torch: str
+    kwargs: Callable[[Any], dict]
+    example_inputs: Callable[[Any], tuple]
+    example_kwargs: Callable[[Any], dict] = _no_kwargs
+    buffers: Callable[[Any], dict[str, np.ndarray]] = _no_buffers
 
-    def example_kwargs(self) -> dict:
-        return {}
 
-    def torch_buffers(self) -> dict[str, np.ndarray]:
-        return {}
+_TWINS: dict[type, Twin] = {}
+
+
+def register_twin(module: type, *, torch: str, kwargs: Callable[[Any], dict],
+                  example_inputs: Callable[[Any], tuple], example_kwargs: Optional[Callable[[Any], dict]] = None,
+                  buffers: Optional[Callable[[Any], dict[str, np.ndarray]]] = None) -> Twin:
+    """Register ``module``'s (a class) PyTorch twin; see :class:`Twin`. Returns the record.
+
+    Registering a class again replaces its record. Subclasses share their base's record
+    unless they register their own.
+    """
+    if not isinstance(module, type):
+        raise TypeError(f"register_twin takes a module class, got {module!r}")
+    if not (isinstance(torch, str) and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", torch)):
+        raise ValueError(f"torch must be the twin's class as a dotted name such as 'torch_ref.modern.Attention', "
+                         f"got {torch!r}")
+    record = Twin(module, torch, kwargs, example_inputs, example_kwargs or _no_kwargs, buffers or _no_buffers)
+    _TWINS[module] = record
+    return record
+
+
+def twin_of(module) -> Twin:
+    """The :class:`Twin` record of a module (an instance or a class), or of its nearest registered base."""
+    cls = module if isinstance(module, type) else type(module)
+    for base in cls.__mro__:
+        if base in _TWINS:
+            return _TWINS[base]
+    raise TypeError(f"{cls.__name__} has no PyTorch twin: register one with "
+                    f"flax_attn.interop.register_twin({cls.__name__}, torch='torch_ref....', ...)")
+
+
+def init_example(module, rng=None):
+    """``module.init`` on its registered example inputs: variables with real values.
+
+    ``rng``: a PRNG key (default ``jax.random.key(0)``).
+    """
+    twin = twin_of(module)
+    rng = jax.random.key(0) if rng is None else rng
+    return module.init(rng, *twin.example_inputs(module), **twin.example_kwargs(module))
 
 
 def torch_name(path: tuple[str, ...]) -> str:
@@ -150,23 +225,21 @@ def params_to_state_dict(params, *, buffers: Mapping[str, np.ndarray] | None = N
 
 def param_template(module) -> dict:
     """Shapes and dtypes of ``module``'s params, computed without running it (``jax.eval_shape``)."""
-    variables = jax.eval_shape(
-        lambda: module.init(jax.random.key(0), *module.example_inputs(), **module.example_kwargs())
-    )
+    variables = jax.eval_shape(lambda: init_example(module))
     return variables["params"]
 
 
-def from_torch_state_dict(module: TorchConvertible, state_dict: Mapping[str, Any]) -> dict:
+def from_torch_state_dict(module, state_dict: Mapping[str, Any]) -> dict:
     """Variables ``{'params': ...}`` for ``module`` from its PyTorch twin's ``state_dict``.
 
     ``state_dict`` holds NumPy arrays (``torch_ref.state_dict_to_numpy`` makes them).
     Strict: see :func:`params_from_state_dict`.
     """
     return {"params": params_from_state_dict(state_dict, param_template(module),
-                                             buffers=module.torch_buffers())}
+                                             buffers=twin_of(module).buffers(module))}
 
 
-def to_torch_state_dict(module: TorchConvertible, variables) -> dict[str, np.ndarray]:
+def to_torch_state_dict(module, variables) -> dict[str, np.ndarray]:
     """The PyTorch twin's ``state_dict`` (NumPy arrays, buffers included) from ``variables``."""
     params = variables["params"] if "params" in variables else variables
     template = param_template(module)
@@ -180,4 +253,59 @@ def to_torch_state_dict(module: TorchConvertible, variables) -> dict[str, np.nda
     ]
     if problems:
         raise StateDictError("params do not fit the module:\n  " + "\n  ".join(problems))
-    return params_to_state_dict(params, buffers=module.torch_buffers())
+    return params_to_state_dict(params, buffers=twin_of(module).buffers(module))
+
+
+# --------------------------------------------------------------------------- flax_attn's twins
+
+def _fields(*names):
+    """kwargs: the module's fields of these names (the twin's constructor takes the same names)."""
+    return lambda m: {name: getattr(m, name) for name in names}
+
+
+def _tokens(width: str, *, batched: bool = True):
+    """example_inputs: one token of ``getattr(m, width)`` features (in a batch of one), in ``m.param_dtype``."""
+
+    def example_inputs(m) -> tuple:
+        shape = (1, getattr(m, width))
+        return (jnp.zeros((1,) + shape if batched else shape, m.param_dtype),)
+
+    return example_inputs
+
+
+def _deterministic(m) -> dict:
+    return {"deterministic": True}
+
+
+def _causal_mask_buffer(context_length: int) -> np.ndarray:
+    """The chapter's registered buffer: ``triu(ones(C, C), diagonal=1)`` (1 = blocked)."""
+    return np.triu(np.ones((context_length, context_length), np.float32), k=1)
+
+
+register_twin(SelfAttention_v1, torch="torch_ref.chapter.SelfAttention_v1", kwargs=_fields("d_in", "d_out"),
+              example_inputs=_tokens("d_in", batched=False))
+register_twin(SelfAttention_v2, torch="torch_ref.chapter.SelfAttention_v2",
+              kwargs=_fields("d_in", "d_out", "qkv_bias"), example_inputs=_tokens("d_in", batched=False))
+register_twin(CausalAttention, torch="torch_ref.chapter.CausalAttention",
+              kwargs=_fields("d_in", "d_out", "context_length", "dropout", "qkv_bias"),
+              example_inputs=_tokens("d_in"), example_kwargs=_deterministic,
+              buffers=lambda m: {"mask": _causal_mask_buffer(m.context_length)})
+register_twin(MultiHeadAttentionWrapper, torch="torch_ref.chapter.MultiHeadAttentionWrapper",
+              kwargs=_fields("d_in", "d_out", "context_length", "dropout", "num_heads", "qkv_bias"),
+              example_inputs=_tokens("d_in"), example_kwargs=_deterministic,
+              buffers=lambda m: {f"heads.{i}.mask": _causal_mask_buffer(m.context_length)
+                                 for i in range(m.num_heads)})
+register_twin(MultiHeadAttention, torch="torch_ref.chapter.MultiHeadAttention",
+              kwargs=_fields("d_in", "d_out", "context_length", "dropout", "num_heads", "qkv_bias"),
+              example_inputs=_tokens("d_in"), example_kwargs=_deterministic,
+              buffers=lambda m: {"mask": _causal_mask_buffer(m.context_length)})
+register_twin(TransformerMultiHeadAttention, torch="torch_ref.transformer.MultiHeadAttention",
+              kwargs=_fields("d_model", "num_heads"), example_inputs=lambda m: _tokens("d_model")(m) * 3)
+register_twin(LearnedPositionalEmbedding, torch="torch_ref.modern.LearnedPositionalEmbedding",
+              kwargs=_fields("num_positions", "features"),
+              example_inputs=lambda m: (jnp.zeros((1, 1), jnp.int32),))
+# AttentionConfig's fields are torch_ref.modern.Attention's keyword arguments (asdict turns a
+# RopeScaling into a dict of its fields).
+register_twin(Attention, torch="torch_ref.modern.Attention", kwargs=lambda m: dataclasses.asdict(m.config),
+              example_inputs=lambda m: (jnp.zeros((1, 1, m.config.d_model), m.param_dtype),),
+              example_kwargs=lambda m: {"positions": jnp.zeros((1, 1), jnp.int32), "deterministic": True})

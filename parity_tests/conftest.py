@@ -47,11 +47,11 @@ def assert_all_ok(measurements) -> float:
     return max(m.error for m in measurements)
 
 
-def run_parity(torch_module, flax_module, inputs, dtype, *, torch_kwargs=None, flax_kwargs=None,
+def run_parity(torch_module, flax_module, inputs, dtype, *, torch_call_kwargs=None, flax_kwargs=None,
                seed=0, eager=False):
     """Outputs and gradients (inputs and every parameter) of flax_module with torch_module's weights,
     under jit; ``eager=True`` also checks the op-by-op forward equals the jitted one."""
-    return assert_all_ok(compare_module(torch_module, flax_module, inputs, dtype, torch_kwargs=torch_kwargs,
+    return assert_all_ok(compare_module(torch_module, flax_module, inputs, dtype, torch_call_kwargs=torch_call_kwargs,
                                         flax_kwargs=flax_kwargs, seed=seed, eager=eager))
 
 

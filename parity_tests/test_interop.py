@@ -1,9 +1,11 @@
-"""The state_dict converter: one generic, strict mechanism, bit-exact round trips."""
+"""flax_attn.interop: the registry of PyTorch twins and the state_dict converter (one generic,
+strict mechanism, bit-exact round trips)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import linen as nn
 
 import flax_attn as fa
 import torch_ref as tr
@@ -20,8 +22,9 @@ CASES = {
 
 
 def _pair(name, dtype=torch.float32):
+    f = getattr(fa, name)(*CASES[name])
     torch.manual_seed(0)
-    return getattr(tr, name)(*CASES[name]).to(dtype), getattr(fa, name)(*CASES[name])
+    return tr.twin(f).to(dtype), f
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -42,7 +45,7 @@ def test_round_trip_torch_flax_torch_is_bit_exact(name, dtype):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_round_trip_flax_torch_flax_is_bit_exact(name):
     _, f = _pair(name)
-    variables = f.init(jax.random.key(1), *f.example_inputs(), **f.example_kwargs())
+    variables = interop.init_example(f, jax.random.key(1))
     again = fa.from_torch_state_dict(f, fa.to_torch_state_dict(f, variables))
     for a, b in zip(jax.tree_util.tree_leaves(variables), jax.tree_util.tree_leaves(again)):
         np.testing.assert_array_equal(a, b)
@@ -55,6 +58,29 @@ def test_names_follow_one_rule():
     assert interop.torch_name(("W_query",)) == "W_query"  # a raw nn.Parameter keeps its name
     assert interop.torch_name(("rel_bias", "embedding")) == "rel_bias.weight"
     assert interop.torch_name(("q_norm", "scale")) == "q_norm.weight"
+
+
+def test_twins_are_registered_by_name_and_built_by_torch_ref():
+    # flax_attn names each twin as a string (it never imports torch); torch_ref.twin builds it.
+    assert interop.twin_of(fa.MultiHeadAttention).torch == "torch_ref.chapter.MultiHeadAttention"
+    assert interop.twin_of(fa.TransformerMultiHeadAttention).torch == "torch_ref.transformer.MultiHeadAttention"
+    assert interop.twin_of(fa.Attention).torch == "torch_ref.modern.Attention"
+    for name in CASES:
+        assert type(tr.twin(getattr(fa, name)(*CASES[name]))) is getattr(tr, name), name
+    scaled = fa.Attention(fa.AttentionConfig(d_model=16, num_heads=4, rope_scaling=fa.RopeScaling("linear", 2.0)))
+    assert interop.twin_of(scaled).kwargs(scaled)["rope_scaling"] == {
+        "kind": "linear", "factor": 2.0, "original_max_position_embeddings": None, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None}
+
+    class Subclass(fa.MultiHeadAttention):
+        pass
+
+    assert interop.twin_of(Subclass(4, 6, 5, 0.0, 2)) is interop.twin_of(fa.MultiHeadAttention)
+    with pytest.raises(TypeError, match="Dense has no PyTorch twin: register one with "
+                                        r"flax_attn.interop.register_twin\(Dense, torch="):
+        fa.from_torch_state_dict(nn.Dense(3), {})
+    with pytest.raises(ValueError, match="torch must be the twin's class as a dotted name"):
+        interop.register_twin(nn.Dense, torch="Linear", kwargs=dict, example_inputs=tuple)
 
 
 def test_linear_weights_are_transposed_raw_parameters_are_not():
@@ -107,14 +133,14 @@ def test_wrapper_buffers_per_head():
     t, f = _pair("MultiHeadAttentionWrapper")
     sd = tr.state_dict_to_numpy(t.state_dict())
     assert {"heads.0.mask", "heads.1.mask", "heads.2.mask"} <= set(sd)
-    assert set(f.torch_buffers()) == {"heads.0.mask", "heads.1.mask", "heads.2.mask"}
+    assert set(interop.twin_of(f).buffers(f)) == {"heads.0.mask", "heads.1.mask", "heads.2.mask"}
     fa.from_torch_state_dict(f, sd)
 
 
 def test_to_torch_rejects_params_of_another_configuration():
     _, f = _pair("MultiHeadAttention")
     other = fa.MultiHeadAttention(4, 8, 5, 0.0, 2)
-    variables = other.init(jax.random.key(0), *other.example_inputs(), **other.example_kwargs())
+    variables = interop.init_example(other, jax.random.key(0))
     with pytest.raises(fa.StateDictError, match="parameter W_query/kernel has shape"):
         fa.to_torch_state_dict(f, variables)
 
@@ -125,13 +151,12 @@ def test_to_torch_rejects_params_of_another_configuration():
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_attention_layer_round_trip(cfg, dtype):
-    config = fa.AttentionConfig(d_model=16, num_heads=4, **cfg)
+    layer = fa.Attention(fa.AttentionConfig(d_model=16, num_heads=4, **cfg))
     torch.manual_seed(0)
-    twin = tr.modern.Attention(**config.torch_kwargs()).to(dtype)
+    twin = tr.twin(layer).to(dtype)
     with torch.no_grad():  # RMSNorm weights start at 1: make them distinguishable
         for p in twin.parameters():
             p.add_(torch.rand_like(p))
-    layer = fa.Attention(config)
     sd = tr.state_dict_to_numpy(twin.state_dict())
     variables = fa.from_torch_state_dict(layer, sd)
     if cfg.get("qk_norm"):
@@ -147,8 +172,9 @@ def test_attention_layer_round_trip(cfg, dtype):
 
 def test_learned_positions_round_trip():
     torch.manual_seed(0)
-    twin = tr.modern.LearnedPositionalEmbedding(10, 4)
     m = fa.LearnedPositionalEmbedding(10, 4)
+    twin = tr.twin(m)
+    assert type(twin) is tr.modern.LearnedPositionalEmbedding
     sd = tr.state_dict_to_numpy(twin.state_dict())
     assert set(sd) == {"wpe.weight"}
     back = fa.to_torch_state_dict(m, fa.from_torch_state_dict(m, sd))

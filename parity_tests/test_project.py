@@ -1,4 +1,5 @@
-"""The project's promises about itself: CI runs the README's test command, flax_attn never imports torch."""
+"""The project's promises about itself: CI runs the README's test command, flax_attn never imports torch,
+every public name is documented."""
 import pathlib
 import re
 import subprocess
@@ -35,3 +36,11 @@ def test_readme_usage_snippet_runs():
     assert set(namespace["state_dict"]) == set(twin.state_dict())
     twin.load_state_dict(torch_ref.state_dict_from_numpy(namespace["state_dict"]), strict=True)
     assert torch.equal(twin.out_proj.bias, torch.from_numpy(namespace["state_dict"]["out_proj.bias"]))
+
+
+def test_every_public_name_is_documented():
+    import flax_attn as fa
+
+    for name in fa.__all__:
+        obj = getattr(fa, name)
+        assert (obj.__doc__ or "").strip(), f"flax_attn.{name} has no docstring"

@@ -6,6 +6,8 @@ numbers.
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
@@ -45,6 +47,21 @@ def state_dict_to_numpy(state_dict) -> dict[str, np.ndarray]:
     return {name: to_numpy(t) for name, t in state_dict.items()}
 
 
+def twin(module) -> torch.nn.Module:
+    """A fresh PyTorch twin of the flax_attn ``module`` (float32, initialised by torch's RNG).
+
+    The class and its constructor arguments come from the module's record in
+    ``flax_attn.interop``'s twin registry (``flax_attn.interop.twin_of``), e.g.
+    ``twin(flax_attn.Attention(config))`` is ``torch_ref.modern.Attention(**fields of config)``.
+    """
+    from flax_attn import interop
+
+    record = interop.twin_of(module)
+    module_name, _, class_name = record.torch.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**record.kwargs(module))
+
+
 def state_dict_from_numpy(arrays) -> dict[str, torch.Tensor]:
     """NumPy arrays (``flax_attn.to_torch_state_dict``'s output) for ``module.load_state_dict``."""
     return {name: from_numpy(a) for name, a in arrays.items()}
@@ -66,6 +83,7 @@ __all__ = [
     "state_dict_from_numpy",
     "state_dict_to_numpy",
     "to_numpy",
+    "twin",
 ]
 
 from torch_ref import modern  # noqa: E402  (the modern variants' references)

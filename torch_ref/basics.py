@@ -1,6 +1,6 @@
 """Attention without trainable weights, in PyTorch, as the chapter computes it step by step.
 
-Same names and meaning as ``flax_attn.basics``.
+Same names and meaning as ``flax_attn.textbook.basics``.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ on which the originals' ``keys.T`` is wrong.
 
 Softmax runs over the last axis (``dim=-1``). One translation of the chapter prints
 ``CausalAttention`` outputs made with ``dim=1``, which normalises over queries; that is an
-erratum (``parity_tests/test_chapter_goldens.py`` reproduces both tables).
+erratum (``parity_tests/textbook/test_chapter_goldens.py`` reproduces both tables).
 """
 from __future__ import annotations
 

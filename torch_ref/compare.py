@@ -129,7 +129,7 @@ def compare_function(torch_fn, jax_fn, inputs, dtype, *, seed=0, eager=False) ->
     return result
 
 
-def compare_module(torch_module, flax_module, inputs, dtype, *, torch_kwargs=None, flax_kwargs=None,
+def compare_module(torch_module, flax_module, inputs, dtype, *, torch_call_kwargs=None, flax_kwargs=None,
                    seed=0, eager=False) -> list[Measurement]:
     """Copy ``torch_module``'s weights into ``flax_module`` (through ``flax_attn.from_torch_state_dict``)
     and compare outputs and gradients w.r.t. the float inputs and every parameter.
@@ -146,13 +146,13 @@ def compare_module(torch_module, flax_module, inputs, dtype, *, torch_kwargs=Non
 
     dtype = np.dtype(dtype)
     tol = TOLERANCE[dtype]
-    torch_kwargs, flax_kwargs = torch_kwargs or {}, flax_kwargs or {}
+    torch_call_kwargs, flax_kwargs = torch_call_kwargs or {}, flax_kwargs or {}
     torch_module = torch_module.to(TORCH_DTYPE[dtype])
     torch_module.zero_grad(set_to_none=True)  # gradients of an earlier comparison would accumulate
     variables = flax_attn.from_torch_state_dict(flax_module, state_dict_to_numpy(torch_module.state_dict()))
     float_idx, inputs = _split(inputs, dtype)
     t_outs, t_grads, cots = _torch_forward_backward(
-        lambda *a: torch_module(*a, **torch_kwargs), inputs, float_idx, dtype, seed)
+        lambda *a: torch_module(*a, **torch_call_kwargs), inputs, float_idx, dtype, seed)
     apply, args, j_outs, j_grads = _jax_forward_backward(
         lambda params, *a: flax_module.apply({"params": params}, *a, **flax_kwargs),
         inputs, float_idx, cots, extra_args=(variables["params"],))

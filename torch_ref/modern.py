@@ -6,6 +6,8 @@ where there is a choice), so that parity tests compare two implementations, not 
 
 * RoPE ``rotate_half`` as in GPT-NeoX / Hugging Face Llama (``x cos + rotate_half(x) sin``);
   ``interleaved`` as in Meta's Llama and GPT-J, with complex multiplication of dimension pairs.
+* RoPE frequency scalings (linear, NTK-aware, Llama 3, YaRN) as stretches of each pair's
+  wavelength, vectorised, from the papers' descriptions.
 * ALiBi slopes as MPT computes them (``2^ceil(log2 N)`` slopes, odd ones first).
 * T5 buckets as the T5 code computes them.
 * Grouped-query attention by repeating key/value heads (``repeat_interleave``).
@@ -23,50 +25,60 @@ import torch.nn as nn
 # --------------------------------------------------------------------------- RoPE
 
 def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None):
-    """Inverse frequencies (float64, ``rotary_dim // 2``) and the attention factor (YaRN's mscale)."""
-    dim = rotary_dim
-    base_inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    """Inverse frequencies (float64, ``rotary_dim // 2``) and the attention factor (YaRN's mscale).
+
+    Written from the published descriptions in terms of wavelengths: pair i of a head turns once
+    every ``wavelength_i = 2 pi theta^(2i/d)`` tokens, and each scaling stretches some wavelengths.
+    A stretch of s is a frequency divided by s, i.e. positions interpolated by s.
+    """
+    d = rotary_dim
+    pair = torch.arange(d // 2, dtype=torch.float64)
+    wavelength = 2 * math.pi * theta ** (2 * pair / d)
+    mscale = 1.0
     if not scaling:
-        return base_inv, 1.0
-    kind, factor = scaling["kind"], float(scaling["factor"])
-    if kind == "linear":  # position interpolation: positions / factor
-        return base_inv / factor, 1.0
-    if kind == "ntk":  # NTK-aware: enlarge the base
-        new_base = theta * factor ** (dim / (dim - 2))
-        return 1.0 / (new_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), 1.0
-    if kind == "llama3":
-        old_len = scaling["original_max_position_embeddings"]
+        return 2 * math.pi / wavelength, mscale
+    kind, s = scaling["kind"], float(scaling["factor"])
+    if kind == "linear":
+        # Position interpolation (Chen et al., 2023): positions / s, so every wavelength is s times longer.
+        stretch = torch.full_like(wavelength, s)
+    elif kind == "ntk":
+        # NTK-aware (bloc97): the base becomes theta * s^(d/(d-2)). Pair i's wavelength then grows by
+        # s^(2i/(d-2)): the fastest pair (i = 0) is kept, the slowest (i = d/2 - 1) stretched by exactly s.
+        if d < 4:
+            raise ValueError(f"NTK-aware scaling needs rotary_dim >= 4 (its exponent is d / (d - 2)), got {d}")
+        stretch = s ** (2 * pair / (d - 2))
+    elif kind == "llama3":
+        # Llama 3.1: with L the original context, wavelengths longer than L / low_freq_factor are
+        # stretched by s, those shorter than L / high_freq_factor kept; in between the frequency is
+        # the blend (1 - w) f / s + w f with w = (L / wavelength - low) / (high - low), which runs
+        # from 0 at the long edge to 1 at the short one.
+        L = scaling["original_max_position_embeddings"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        out = []
-        for f in base_inv.tolist():
-            wavelen = 2 * math.pi / f
-            if wavelen < old_len / high:      # high frequency: unchanged
-                out.append(f)
-            elif wavelen > old_len / low:     # low frequency: interpolated
-                out.append(f / factor)
-            else:                              # in between: blend
-                smooth = (old_len / wavelen - low) / (high - low)
-                out.append((1 - smooth) * f / factor + smooth * f)
-        return torch.tensor(out, dtype=torch.float64), 1.0
-    if kind == "yarn":
-        old_len = scaling["original_max_position_embeddings"]
+        w = ((L / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+        stretch = 1.0 / ((1 - w) / s + w)
+    elif kind == "yarn":
+        # YaRN (Peng et al., 2023): pair i completes L / wavelength_i rotations over the original
+        # context L. Pairs that rotate more than beta_fast times keep their frequency (extrapolation),
+        # pairs that rotate less than beta_slow times are interpolated by s, and the share of
+        # interpolation ramps linearly over the pair index between the two crossings (the
+        # fractional indices where the rotations equal beta_fast and beta_slow, rounded outwards).
+        L = scaling["original_max_position_embeddings"]
         beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
 
-        def dim_for_rotations(r):
-            return (dim * math.log(old_len / (r * 2 * math.pi))) / (2 * math.log(theta))
+        def crossing(rotations):  # solve L / (2 pi theta^(2i/d)) = rotations for i
+            return d / 2 * math.log(L / (2 * math.pi * rotations), theta)
 
-        lo = max(math.floor(dim_for_rotations(beta_fast)), 0)
-        hi = min(math.ceil(dim_for_rotations(beta_slow)), dim - 1)
-        if lo == hi:
-            hi += 0.001
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo), 0, 1)
-        extrapolate = 1 - ramp
-        inv = (base_inv / factor) * (1 - extrapolate) + base_inv * extrapolate
-        mscale = scaling.get("attention_factor")
-        if mscale is None:
-            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-        return inv, mscale
-    raise ValueError(f"unknown RoPE scaling kind {kind!r}")
+        first = max(math.floor(crossing(beta_fast)), 0)
+        last = min(math.ceil(crossing(beta_slow)), d - 1)
+        width = (last - first) or 0.001  # a ramp of zero width would divide by zero
+        interpolated = ((pair - first) / width).clamp(0.0, 1.0)
+        stretch = 1.0 / (interpolated / s + (1 - interpolated))
+        # The attention temperature: cos and sin scaled by 0.1 ln(s) + 1 unless given.
+        given = scaling.get("attention_factor")
+        mscale = given if given is not None else (1.0 + 0.1 * math.log(s) if s > 1 else 1.0)
+    else:
+        raise ValueError(f"unknown RoPE scaling kind {kind!r}")
+    return 2 * math.pi / (wavelength * stretch), mscale
 
 
 def rotate_half(x):
@@ -75,7 +87,7 @@ def rotate_half(x):
 
 
 def apply_rope(x, positions, *, theta=10000.0, layout="rotate_half", rotary_dim=None, scaling=None):
-    """Rotate ``x`` ``(B, T, N, H)`` by ``positions`` ``(B, T)``; see flax_attn.rope for the conventions."""
+    """Rotate ``x`` ``(B, T, N, H)`` by ``positions`` ``(B, T)``; see flax_attn.positional.rope for the conventions."""
     rd = x.shape[-1] if rotary_dim is None else rotary_dim
     compute = torch.promote_types(x.dtype, torch.float32)
     inv_freq, mscale = rope_inv_freq(rd, theta, scaling)

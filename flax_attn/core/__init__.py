@@ -1,0 +1,27 @@
+"""The attention core: one description of a call, a registry of implementations.
+
+* :mod:`~flax_attn.core.mask`: the mask description (every masking rule, composable with ``&``);
+* :mod:`~flax_attn.core.call`: validation of the arguments into one :class:`Call`;
+* :mod:`~flax_attn.core.numerics`: the logit pipeline, grouped-query fold, masked softmax, dropout;
+* :mod:`~flax_attn.core.registry`: implementations and the automatic choice;
+* one file per implementation: :mod:`~flax_attn.core.xla` (plain, serves everything),
+  :mod:`~flax_attn.core.blockwise` (flash-style, linear memory), :mod:`~flax_attn.core.cudnn`;
+* :mod:`~flax_attn.core.attention`: :func:`dot_product_attention`.
+"""
+from flax_attn.core import mask, registry
+from flax_attn.core.attention import dot_product_attention
+from flax_attn.core.blockwise import Blockwise
+from flax_attn.core.call import Call
+from flax_attn.core.cudnn import CuDNN
+from flax_attn.core.mask import Mask
+from flax_attn.core.numerics import dropout, masked_softmax
+from flax_attn.core.registry import Implementation, Result
+from flax_attn.core.xla import XLA
+
+# The automatic choice tries these in order; the plain path serves everything and stays last.
+registry.register(XLA())
+registry.register(CuDNN())
+registry.register(Blockwise())
+
+__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "Mask", "Result", "XLA", "dot_product_attention",
+           "dropout", "mask", "masked_softmax", "registry"]

@@ -1,0 +1,149 @@
+"""The attention function under every flax_attn module.
+
+    out = softmax(scale * Q K^T [soft-capped] + bias, masked) V
+
+:func:`dot_product_attention` validates its arguments into one description of the call
+(:mod:`flax_attn.core.call`, with the mask description of :mod:`flax_attn.core.mask`), chooses
+an implementation from the registry (:mod:`flax_attn.core.registry`) and runs it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+from flax_attn import _checks
+from flax_attn.core import registry
+from flax_attn.core.call import describe
+from flax_attn.core.mask import Mask
+
+PrecisionLike = Any
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask: Union[None, Any, Mask] = None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    query_positions=None,
+    key_positions=None,
+    query_segment_ids=None,
+    key_segment_ids=None,
+    logit_softcap: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    deterministic: bool = False,
+    return_weights: bool = False,
+    return_residual: bool = False,
+    precision: PrecisionLike = None,
+    implementation: Union[None, str, registry.Implementation] = None,
+):
+    r"""Scaled dot-product attention for every head:
+
+    .. math::  \mathrm{out} = \mathrm{softmax}(s \cdot QK^T \text{ [soft-capped]} + \mathrm{bias}
+               \text{ [masked]})\, V,\qquad s = 1/\sqrt{H} \text{ unless given.}
+
+    Args:
+      query: ``(B, T, N, H)`` or unbatched ``(T, N, H)``.
+      key: ``(B, S, K, H)`` or ``(S, K, H)``. ``K`` must divide ``N``: ``K == N`` is multi-head
+        attention, ``1 < K < N`` grouped-query, ``K == 1`` multi-query; one code path.
+      value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``; ``Hv`` may differ from ``H``.
+      bias: additive, floating, broadcastable to ``(B, N, T, S)`` (ALiBi, T5 relative bias).
+      mask: boolean, True = may attend, broadcastable to ``(B, N, T, S)``; or a mask
+        description from :mod:`flax_attn.core.mask` (``causal() & segments(q, k) & ...``),
+        combined with the keyword rules below.
+      scale: multiplies the logits; default ``1/sqrt(H)``.
+      is_causal: a query may attend to keys at its own position or earlier.
+      query_seq_lengths: ``(B,)`` int; queries at index >= length attend to nothing (zeros out).
+      key_value_seq_lengths: ``(B,)`` int; keys at index >= length are blocked.
+      local_window_size: ``w`` or ``(left, right)``: a query at position p may attend to keys
+        at positions ``p - left .. p + right`` (``left + 1 + right`` keys, the
+        ``jax.nn.dot_product_attention`` convention; ``w`` means ``(w, w)``). A causal sliding
+        window of W keys including the current one (Mistral) is ``(W - 1, 0)`` with
+        ``is_causal=True``.
+      query_positions, key_positions: ``(T,)``/``(B, T)`` and ``(S,)``/``(B, S)`` int positions
+        used by ``is_causal`` and ``local_window_size``. Default: keys at ``0..S-1`` and queries
+        at the *last* T of them (query t at ``t + S - T``), as when decoding with a cache.
+      query_segment_ids, key_segment_ids: int ids of packed sequences, shapes as positions;
+        attention never crosses segments; a negative id is padding. Give both or neither.
+      logit_softcap: ``c``: logits become ``c * tanh(logits / c)`` before bias and mask.
+      dropout_rate: dropout on the attention weights (inverted scaling), in [0, 1).
+      dropout_rng: PRNG key; required when ``dropout_rate > 0`` and not ``deterministic``.
+      deterministic: disable dropout.
+      return_weights: also return the attention weights ``(B, N, T, S)`` (after dropout).
+      return_residual: also return the log-sum-exp of the logits over the allowed keys,
+        ``(B, T, N)`` in float32 (or wider), as ``jax.nn.dot_product_attention`` does; ``-inf``
+        for a query that attends to nothing.
+      precision: passed to every matmul (``jax.lax.Precision`` or a string like 'highest').
+      implementation: a registered name (``'xla'``, ``'blockwise'``, ``'cudnn'``, ...), an
+        implementation object (``flax_attn.core.Blockwise(block_q=256)``), or ``None`` for the
+        fastest registered one that serves the call on this platform. Naming one that cannot
+        serve the call raises ``ValueError`` saying why.
+
+    Returns:
+      ``out`` ``(B, T, N, Hv)`` (``(T, N, Hv)`` if unbatched) in ``query.dtype``; with
+      ``return_weights`` and/or ``return_residual``, a tuple ``(out, weights, lse)`` of those
+      asked for, in that order.
+
+    Notes:
+      A query row that may attend to nothing returns zeros with zero gradients, never NaN
+      (``jax.nn.dot_product_attention`` returns the average of the values there instead).
+      Keys and queries blocked outright (by lengths, negative segment ids or an all-False
+      column/row of ``mask``) never contaminate the result, even if they hold NaN or Inf.
+      Logits and softmax are computed in at least float32, whatever the input dtype.
+      With ``T != S`` the causal mask is aligned to the end of the keys (see
+      ``query_positions``); ``jax.nn.dot_product_attention`` aligns it to the start.
+      Empty inputs (``T == 0`` or ``S == 0``) give an empty output or zeros.
+    """
+    _checks.check_rank("query", query, (3, 4), "BTNH or TNH")
+    unbatched = np.ndim(query) == 3
+    if unbatched:
+        _checks.check_rank("key", key, 3, "SKH")
+        _checks.check_rank("value", value, 3, "SKH")
+        query, key, value = query[None], key[None], value[None]
+    call = describe(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                    query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                    local_window_size=local_window_size, query_positions=query_positions,
+                    key_positions=key_positions, query_segment_ids=query_segment_ids,
+                    key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, dropout_rate=dropout_rate,
+                    dropout_rng=dropout_rng, deterministic=deterministic, return_weights=return_weights,
+                    return_residual=return_residual, precision=precision)
+    impl = registry.resolve(implementation, call)
+    if call.T == 0 or call.S == 0:
+        result = _empty(call)
+    else:
+        query, key, value = _drop_invisible(call, query, key, value)
+        result = impl(call, query, key, value, dropout_rng)
+    outputs = [result.out] + [x for x, asked in ((result.weights, return_weights), (result.lse, return_residual))
+                              if asked]
+    if unbatched:
+        outputs = [x[0] for x in outputs]
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _drop_invisible(call, query, key, value):
+    """Zero the keys, values and queries that no pair may use, so that garbage there (NaN, Inf
+    in padding) cannot leak through ``0 * NaN``; their gradients are zero."""
+    keys, queries = call.mask.key_visible(), call.mask.query_visible()
+    if keys is not None:
+        keep = keys[:, :, None, None]
+        key, value = jnp.where(keep, key, 0), jnp.where(keep, value, 0)
+    if queries is not None:
+        query = jnp.where(queries[:, :, None, None], query, 0)
+    return query, key, value
+
+
+def _empty(call) -> registry.Result:
+    """T == 0 or S == 0: nothing to attend to; every output is empty or zero."""
+    B, T, N, S = call.B, call.T, call.N, call.S
+    return registry.Result(out=jnp.zeros((B, T, N, call.Hv), call.dtype),
+                           lse=jnp.full((B, T, N), -jnp.inf, call.acc_dtype),
+                           weights=jnp.zeros((B, N, T, S), call.dtype))

@@ -1,0 +1,98 @@
+"""The numerics every implementation shares: the logit pipeline, the grouped-query fold, the
+masked softmax and dropout. Written once here; implementations differ only in how they loop.
+
+Logit pipeline (in at least float32): ``s = scale * q.k``; soft-cap ``s = c * tanh(s / c)``;
+``s = s + bias``; blocked pairs take no part in the softmax.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flax_attn import _checks
+
+Array = Any
+
+
+def finish_logits(call, raw, bias=None):
+    """Scale, soft-cap and bias raw dot products ``q.k`` (already in ``call.acc_dtype``)."""
+    s = raw * jnp.asarray(call.scale, raw.dtype)
+    if call.softcap is not None:
+        cap = jnp.asarray(call.softcap, raw.dtype)
+        s = cap * jnp.tanh(s / cap)
+    if bias is not None:
+        s = s + bias.astype(raw.dtype)
+    return s
+
+
+def group_queries(query, K: int):
+    """``(B, T, N, H)`` -> ``(B, K, G, T, H)``: the G query heads that share key/value head k.
+
+    Writing grouped-query attention this way makes MHA (G = 1) and MQA (K = 1) the same code.
+    """
+    B, T, N, H = query.shape
+    return query.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+
+
+def ungroup(x):
+    """``(B, K, G, T, Hv)`` -> ``(B, T, N, Hv)``."""
+    B, K, G, T, Hv = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, Hv)
+
+
+def group_heads(x, K: int):
+    """A ``(B|1, N|1, T|1, S|1)`` mask or bias -> ``(B|1, K|1, G|1, T|1, S|1)``."""
+    b, n, t, s = x.shape
+    return x[:, :, None] if n == 1 else x.reshape(b, K, n // K, t, s)
+
+
+def softmax_parts(logits, allowed=None, axis: int = -1):
+    """Softmax over ``axis`` where ``allowed`` (and the logit is not ``-inf``), and the log-sum-exp.
+
+    Returns ``(weights, lse)``: a row with nothing allowed has weights 0 (gradient 0, never
+    NaN) and ``lse = -inf``.
+    """
+    ok = logits != -jnp.inf
+    if allowed is not None:
+        ok = ok & allowed
+    # Blocked entries get the most negative finite value: exp underflows to 0 beside any allowed
+    # entry, and a row with none gives a finite uniform row, zeroed below.
+    filled = jnp.where(ok, logits, jnp.finfo(logits.dtype).min)
+    m = jax.lax.stop_gradient(jnp.max(filled, axis=axis, keepdims=True))
+    e = jnp.exp(filled - m)
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    some = jnp.any(ok, axis=axis, keepdims=True)
+    weights = e / total * some.astype(e.dtype)
+    lse = jnp.where(some, m + jnp.log(total), -jnp.inf)
+    return weights, jnp.squeeze(lse, axis)
+
+
+def masked_softmax(logits, mask=None, axis: int = -1):
+    """Softmax over ``axis`` where ``mask`` is False (or the logit is ``-inf``) contributes nothing.
+
+    A row in which nothing may be attended to returns zeros, and its gradient is zero: never
+    NaN (a NaN logit still propagates). Computed in ``logits.dtype``.
+    """
+    _checks.check_floating("logits", logits)
+    if mask is not None:
+        _checks.check_bool("mask", mask)
+        _checks.check_broadcast("mask", mask, _checks.shape_of(logits), "logits' shape")
+        mask = jnp.broadcast_to(mask, jnp.shape(logits))
+    return softmax_parts(logits, mask, axis)[0]
+
+
+def dropout(x, rate: float, rng) -> Array:
+    """Inverted dropout: zero each entry with probability ``rate``, scale the rest by 1/(1-rate).
+
+    A pure function of ``rng``: the same key gives the same mask. ``rate`` must be in [0, 1);
+    ``rate == 0`` returns ``x`` unchanged.
+    """
+    _checks.check_rate("dropout rate", rate)
+    if rate == 0.0:
+        return x
+    if rng is None:
+        raise ValueError("dropout with rate > 0 needs a PRNG key (got rng=None)")
+    keep = jax.random.bernoulli(rng, 1.0 - rate, jnp.shape(x))
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))

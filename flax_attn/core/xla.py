@@ -1,0 +1,40 @@
+"""The plain path: materialises the ``(B, N, T, S)`` logits; serves every call.
+
+Grouped-query attention without repeating keys: the G query heads of each key/value head are
+folded into its query axis, ``BKRH,BSKH->BKRS`` with R = G*T (MHA: G = 1, MQA: K = 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from flax_attn.core import numerics
+from flax_attn.core.registry import Implementation, Result
+
+
+@dataclasses.dataclass(frozen=True)
+class XLA(Implementation):
+    name: str = "xla"
+
+    def __call__(self, call, query, key, value, dropout_rng) -> Result:
+        B, T, N, H = query.shape
+        S, K, G = call.S, call.K, call.G
+        acc = call.acc_dtype
+        q = numerics.group_queries(query, K).reshape(B, K, G * T, H)
+        raw = jnp.einsum("BKRH,BSKH->BKRS", q, key, precision=call.precision, preferred_element_type=acc)
+        bias = None if call.mask.bias is None else numerics.group_heads(call.mask.bias, K)
+        logits = numerics.finish_logits(call, raw.reshape(B, K, G, T, S), bias)
+        allowed = call.mask.dense_mask()
+        allowed = None if allowed is None else jnp.broadcast_to(numerics.group_heads(allowed, K), logits.shape)
+        weights, lse = numerics.softmax_parts(logits, allowed)
+        if call.dropout_rate > 0.0:
+            weights = numerics.dropout(weights, call.dropout_rate, dropout_rng)
+        out = jnp.einsum("BKRS,BSKH->BKRH", weights.astype(value.dtype).reshape(B, K, G * T, S), value,
+                         precision=call.precision, preferred_element_type=acc)
+        out = numerics.ungroup(out.reshape(B, K, G, T, -1)).astype(query.dtype)
+        return Result(
+            out=out,
+            lse=numerics.ungroup(lse[..., None])[..., 0] if call.return_residual else None,
+            weights=weights.reshape(B, N, T, S).astype(query.dtype) if call.return_weights else None,
+        )

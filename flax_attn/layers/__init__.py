@@ -1,0 +1,15 @@
+"""Flax Linen layers for new models, with parameters.
+
+* :mod:`~flax_attn.layers.attention`: :class:`Attention`, the configurable multi-head layer,
+  and :class:`AttentionConfig` (grouped-query, RoPE/ALiBi/T5/no positions, sliding windows,
+  QK-norm, soft-capping, packing, cross-attention);
+* :mod:`~flax_attn.layers.cache`: :class:`KVCache`, the pure key/value cache for decoding;
+* :mod:`~flax_attn.layers.positional`: :class:`LearnedPositionalEmbedding` (GPT-2's ``wpe``);
+* :mod:`~flax_attn.layers.common`: building blocks shared with the textbook modules
+  (PyTorch-equivalent initialisation, dropout plumbing, input checks).
+"""
+from flax_attn.layers.attention import Attention, AttentionConfig
+from flax_attn.layers.cache import KVCache
+from flax_attn.layers.positional import LearnedPositionalEmbedding
+
+__all__ = ["Attention", "AttentionConfig", "KVCache", "LearnedPositionalEmbedding"]

@@ -1,0 +1,252 @@
+"""One configurable multi-head attention layer for modern decoders and encoders.
+
+:class:`AttentionConfig` composes the variants; :class:`Attention` owns the parameters and
+calls :func:`flax_attn.dot_product_attention`. Its PyTorch twin is ``torch_ref.modern.Attention``
+(the same fields as keyword arguments, the same parameter names; ``torch_ref.twin(layer)`` builds
+it, see :mod:`flax_attn.interop`), so checkpoints convert with ``flax_attn.from_torch_state_dict``.
+
+    config = AttentionConfig(d_model=512, num_heads=8, num_kv_heads=2, position="rope",
+                             sliding_window=256, qk_norm=True)
+    layer = Attention(config)
+    params = layer.init(key, x, positions)          # x: (B, T, 512), positions: (B, T)
+    y = layer.apply(params, x, positions)
+
+Order of operations: project; QK-norm; rotate (RoPE); append to the cache; bias (ALiBi, T5);
+scaled dot product with soft-cap, masks and dropout; output projection.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from flax_attn import _checks
+from flax_attn.core import dot_product_attention
+from flax_attn.layers.cache import KVCache
+from flax_attn.layers.common import dropout_rng, linear
+from flax_attn.positional import alibi as alibi_lib
+from flax_attn.positional import rope as rope_lib
+from flax_attn.positional import t5 as t5_lib
+
+POSITIONS = ("rope", "alibi", "t5", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Configuration of :class:`Attention`; every field is also a keyword of ``torch_ref.modern.Attention``."""
+
+    d_model: int                        # D: input and output width
+    num_heads: int                      # N: query heads
+    num_kv_heads: Optional[int] = None  # K: key/value heads, dividing N (None: N, multi-head; 1: multi-query)
+    head_dim: Optional[int] = None      # H (None: d_model // num_heads)
+    causal: bool = True                 # a query sees keys at its position or earlier
+    sliding_window: Optional[int] = None  # W: causal, the W keys ending at the query (Mistral);
+    #                                       bidirectional, W keys on each side including the query
+    position: str = "rope"              # 'rope' | 'alibi' | 't5' | 'none' (NoPE; add sinusoidal or
+    #                                     learned positions to the embeddings outside the layer)
+    rope_theta: float = 10000.0         # RoPE frequency base
+    rope_layout: str = "rotate_half"    # 'rotate_half' (GPT-NeoX, Llama) | 'interleaved' (GPT-J, RoFormer)
+    rotary_dim: Optional[int] = None    # partial rotary: rotate only the first rotary_dim dims of a head
+    rope_scaling: Any = None            # RopeScaling or a dict of its fields: linear, ntk, llama3, yarn
+    t5_num_buckets: int = 32            # T5 bias: buckets (bidirectional when not causal)
+    t5_max_distance: int = 128          # T5 bias: distances beyond share the last bucket
+    qk_norm: bool = False               # RMS-normalise each head's queries and keys (learned scale, H)
+    qk_norm_eps: float = 1e-6
+    logit_softcap: Optional[float] = None  # c: logits -> c * tanh(logits / c)
+    qkv_bias: bool = False              # biases in the query/key/value projections
+    out_bias: bool = False              # bias in the output projection
+    dropout: float = 0.0                # dropout on the attention weights
+    scale: Optional[float] = None       # logit scale (None: 1 / sqrt(H); T5 uses 1.0)
+
+    def __post_init__(self):
+        _checks.check_positive_int("d_model", self.d_model)
+        _checks.check_positive_int("num_heads", self.num_heads)
+        if self.num_kv_heads is not None:
+            _checks.check_positive_int("num_kv_heads", self.num_kv_heads)
+            _checks.check_divides("num_heads", self.num_heads, "num_kv_heads", self.num_kv_heads)
+        if self.head_dim is None:
+            _checks.check_divides("d_model", self.d_model, "num_heads", self.num_heads)
+        else:
+            _checks.check_positive_int("head_dim", self.head_dim)
+        if self.sliding_window is not None:
+            if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, (int, np.integer)) \
+                    or self.sliding_window < 1:
+                raise ValueError(f"sliding_window must be an integer >= 1, got {self.sliding_window!r}")
+        _checks.check_one_of("position", self.position, POSITIONS)
+        _checks.check_one_of("rope_layout", self.rope_layout, rope_lib.LAYOUTS)
+        object.__setattr__(self, "rope_scaling", rope_lib.as_scaling(self.rope_scaling))
+        if self.position == "rope":
+            rd = self.rotary_dim if self.rotary_dim is not None else self.kv_head_dim
+            if not (2 <= rd <= self.kv_head_dim and rd % 2 == 0):
+                raise ValueError(f"rotary_dim must be an even number in [2, head_dim={self.kv_head_dim}], got {rd}")
+            rope_lib.rope_frequencies(rd, theta=self.rope_theta, scaling=self.rope_scaling)
+        _checks.check_rate("dropout", self.dropout)
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def kv_head_dim(self) -> int:
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def window(self) -> Optional[tuple[int, int]]:
+        """``local_window_size`` for :func:`dot_product_attention`."""
+        if self.sliding_window is None:
+            return None
+        w = self.sliding_window - 1
+        return (w, 0) if self.causal else (w, w)
+
+    def init_cache(self, batch: int, max_len: int, *, dtype=jnp.float32, rolling: bool = False) -> KVCache:
+        """An empty :class:`KVCache` for this layer."""
+        if rolling:
+            if self.sliding_window is None:
+                raise ValueError("a rolling cache drops old keys: it needs a sliding_window")
+            if max_len < self.sliding_window - 1:
+                raise ValueError(f"a rolling cache for sliding_window={self.sliding_window} needs max_len >= "
+                                 f"{self.sliding_window - 1}, got {max_len}")
+        return KVCache.create(batch=batch, max_len=max_len, num_kv_heads=self.kv_heads,
+                              head_dim=self.kv_head_dim, dtype=dtype, rolling=rolling)
+
+
+def _batched_positions(name, positions, batch, length):
+    if positions is None:
+        return None
+    _checks.check_integer(name, positions)
+    shape = _checks.shape_of(positions)
+    if shape not in ((length,), (1, length), (batch, length)):
+        raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
+    return jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
+
+
+class Attention(nn.Module):
+    """Multi-head attention configured by :class:`AttentionConfig`.
+
+    Parameters: ``q_proj`` ``(D, N*H)``, ``k_proj``/``v_proj`` ``(D, K*H)``, ``o_proj`` ``(N*H, D)``;
+    with QK-norm ``q_norm``/``k_norm`` (scale ``(H,)``); with T5 bias ``rel_bias`` ``(buckets, N)``.
+
+    Call (arrays may be passed by position, in this order, or by name; options are keyword-only):
+      x: ``(B, T, D)``: the queries' sequence (and the keys', for self-attention).
+      positions: int ``(B, T)`` or ``(T,)``. Required unless ``position='none'`` and no cache.
+      segment_ids: int ``(B, T)``: packed sequences attend only within their segment; negative
+        ids mark padding (never attended to; such queries return zeros).
+      context: ``(B, S, D)`` for cross-attention (keys and values from it; set ``causal=False``);
+        context_positions, context_segment_ids: as above for the context (``(B, S)``).
+      mask: extra boolean mask, True = may attend, broadcastable to ``(B, N, T, S)``.
+      cache: a :class:`KVCache` (self-attention only): the call attends to the cached keys and
+        the new ones and returns ``(output, new_cache)``.
+      deterministic: required when ``dropout > 0``.
+
+    Returns:
+      ``(B, T, D)``, or ``(output, new_cache)`` when a cache is given.
+    """
+
+    config: AttentionConfig
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    implementation: Optional[str] = None
+
+    def setup(self):
+        c = self.config
+        N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
+        make = lambda features, fan_in, bias: linear(features, fan_in, use_bias=bias, param_dtype=self.param_dtype,
+                                                     precision=self.precision)
+        self.q_proj = make(N * H, D, c.qkv_bias)
+        self.k_proj = make(K * H, D, c.qkv_bias)
+        self.v_proj = make(K * H, D, c.qkv_bias)
+        self.o_proj = make(D, N * H, c.out_bias)
+        if c.qk_norm:
+            self.q_norm = nn.RMSNorm(epsilon=c.qk_norm_eps, param_dtype=self.param_dtype)
+            self.k_norm = nn.RMSNorm(epsilon=c.qk_norm_eps, param_dtype=self.param_dtype)
+        if c.position == "t5":
+            self.rel_bias = nn.Embed(c.t5_num_buckets, N, embedding_init=nn.initializers.normal(1.0),
+                                     param_dtype=self.param_dtype)
+
+    def _rope(self, x, positions):
+        c = self.config
+        return rope_lib.apply_rope(x, positions, theta=c.rope_theta, layout=c.rope_layout,
+                                   rotary_dim=c.rotary_dim, scaling=c.rope_scaling)
+
+    def __call__(self, x, positions=None, segment_ids=None, context=None, context_positions=None,
+                 context_segment_ids=None, mask=None, cache: Optional[KVCache] = None, *,
+                 deterministic: Optional[bool] = None):
+        c = self.config
+        N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
+        _checks.check_rank("x", x, 3, "(B, T, D)")
+        if x.shape[-1] != D:
+            raise ValueError(f"x has shape {x.shape}: its last dim must be d_model={D}")
+        B, T, _ = x.shape
+        cross = context is not None
+        if cross:
+            _checks.check_rank("context", context, 3, "(B, S, D)")
+            if context.shape[0] != B or context.shape[-1] != D:
+                raise ValueError(f"context has shape {context.shape}, expected ({B}, S, {D}) for x of shape {x.shape}")
+            if cache is not None:
+                raise ValueError("cache is for self-attention; pass either context or cache")
+        source = context if cross else x
+        S_new = source.shape[1]
+        needs_positions = c.position != "none" or cache is not None
+        positions = _batched_positions("positions", positions, B, T)
+        if needs_positions and positions is None:
+            raise ValueError(f"positions are required with position='{c.position}'"
+                             f"{' and a cache' if cache is not None else ''}: pass positions of shape ({B}, {T})")
+        if cross:
+            context_positions = _batched_positions("context_positions", context_positions, B, S_new)
+            if c.position != "none" and context_positions is None:
+                raise ValueError(f"context_positions are required with position='{c.position}'")
+        else:
+            context_positions = positions
+        segment_ids = _batched_positions("segment_ids", segment_ids, B, T)
+        if cross:
+            context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S_new)
+            if (segment_ids is None) != (context_segment_ids is None):
+                raise ValueError("segment_ids and context_segment_ids must be given together")
+        else:
+            context_segment_ids = segment_ids
+
+        q = self.q_proj(x).reshape(B, T, N, H)
+        k = self.k_proj(source).reshape(B, S_new, K, H)
+        v = self.v_proj(source).reshape(B, S_new, K, H)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.position == "rope":
+            q, k = self._rope(q, positions), self._rope(k, context_positions)
+
+        key_positions, key_segments = context_positions, context_segment_ids
+        new_cache = None
+        if cache is not None:
+            if segment_ids is None:
+                segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)
+            cache.check_compatible(k, v, positions, segment_ids)
+            if cache.rolling and (c.sliding_window is None or cache.max_len < c.sliding_window - 1):
+                raise ValueError(f"a rolling cache of max_len={cache.max_len} is too small for "
+                                 f"sliding_window={c.sliding_window}: use AttentionConfig.init_cache")
+            new_cache = cache.update(k, v, positions, segment_ids)
+            k = jnp.concatenate([cache.key.astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([cache.value.astype(v.dtype), v], axis=1)
+            key_positions = jnp.concatenate([cache.positions, positions], axis=1)
+            key_segments = jnp.concatenate([cache.segment_ids, segment_ids], axis=1)
+
+        bias = None
+        if c.position == "alibi":
+            bias = alibi_lib.alibi_bias(alibi_lib.alibi_slopes(N), positions, key_positions)
+        elif c.position == "t5":
+            bias = t5_lib.t5_bias(self.rel_bias.embedding, positions, key_positions, bidirectional=not c.causal,
+                                  max_distance=c.t5_max_distance)
+        rng = dropout_rng(self, c.dropout, deterministic, "Attention")
+        out = dot_product_attention(
+            q, k, v, bias, mask,
+            scale=c.scale, is_causal=c.causal, local_window_size=c.window,
+            query_positions=positions, key_positions=key_positions if positions is not None else None,
+            query_segment_ids=segment_ids if key_segments is not None else None, key_segment_ids=key_segments,
+            logit_softcap=c.logit_softcap, dropout_rate=c.dropout if rng is not None else 0.0, dropout_rng=rng,
+            precision=self.precision, implementation=self.implementation,
+        )
+        out = self.o_proj(out.reshape(B, T, N * H))
+        return out if cache is None else (out, new_cache)

@@ -1,0 +1,174 @@
+"""The registry: the automatic choice (decided from the call's description, platform included),
+named implementations that refuse with their reason, a toy implementation added and removed,
+and cuDNN held to the reference where an NVIDIA GPU exists."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_attn as fa
+from flax_attn.core import Blockwise, Implementation, Result, XLA, registry
+from flax_attn.core.call import describe
+from torch_ref.compare import max_rel_error
+
+
+def _call(T=1024, S=1024, H=64, dtype=jnp.float32, platform="cpu", **kw):
+    q = jax.ShapeDtypeStruct((2, T, 4, H), dtype)
+    k = jax.ShapeDtypeStruct((2, S, 4, H), dtype)
+    return describe(q, k, k, is_causal=True, platform=platform, **kw)
+
+
+def _chosen(**kw):
+    return registry.choose(_call(**kw)).name
+
+
+def test_registry_order_and_names():
+    assert registry.names() == ["cudnn", "blockwise", "xla"]  # the plain path serves everything, last
+
+
+def test_automatic_choice_on_cpu():
+    assert _chosen() == "blockwise"
+    assert _chosen(T=1, S=1024) == "xla"      # one decoding step
+    assert _chosen(T=64, S=64) == "xla"       # below the measured crossover
+    assert _chosen(T=128, S=128) == "blockwise"
+    assert _chosen(dropout_rate=0.1, dropout_rng=jax.random.key(0)) == "xla"  # blockwise has no dropout
+    assert _chosen(return_weights=True) == "xla"
+    assert _chosen(query_segment_ids=np.zeros((2, 1024), np.int32), key_segment_ids=np.zeros((2, 1024), np.int32),
+                   mask=np.ones((1024,), bool), logit_softcap=3.0) == "blockwise"
+
+
+def test_automatic_choice_on_gpu():
+    bf16 = dict(dtype=jnp.bfloat16, platform="gpu")
+    assert _chosen(**bf16) == "cudnn"
+    assert _chosen(dtype=jnp.float32, platform="gpu") == "xla"           # cuDNN takes 16-bit floats only
+    assert _chosen(**bf16, H=96 + 4) == "xla"                             # head dim not a multiple of 8
+    assert _chosen(**bf16, local_window_size=(16, 0)) == "xla"            # no windows in cuDNN here
+    assert _chosen(**bf16, T=512, S=1024) == "xla"                        # causal with T != S
+    assert _chosen(**bf16, precision="highest") == "xla"                  # cuDNN's precision is fixed
+
+
+def test_automatic_choice_on_tpu_takes_the_plain_path():
+    assert _chosen(platform="tpu") == "xla"
+
+
+def test_automatic_choice_falls_back_silently_and_named_ones_say_why():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 300, 4, 8))) for _ in range(3))
+    out, w = fa.dot_product_attention(q, k, v, is_causal=True, return_weights=True)  # xla serves it
+    assert w.shape == (2, 4, 300, 300)
+    fa.dot_product_attention(q, k, v, is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"implementation='blockwise' does not support dropout"):
+        fa.dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="blockwise")
+    with pytest.raises(ValueError, match=r"implementation='blockwise' does not support return_weights"):
+        fa.dot_product_attention(q, k, v, return_weights=True, implementation="blockwise")
+    with pytest.raises(ValueError, match=r"implementation='cudnn' does not support the 'cpu' backend"):
+        fa.dot_product_attention(q, k, v, implementation="cudnn")
+    with pytest.raises(ValueError, match=r"implementation must be one of \['cudnn', 'blockwise', 'xla'\], got 'flash'"):
+        fa.dot_product_attention(q, k, v, implementation="flash")
+    with pytest.raises(TypeError, match=r"implementation must be None, a name in"):
+        fa.dot_product_attention(q, k, v, implementation=3)
+
+
+def test_tuning_knobs_are_fields_not_globals():
+    small = Blockwise(block_q=4, block_k=4, block_k_backward=2, min_length=8)
+    assert small.preferred(_call(T=8, S=8)) and not Blockwise().preferred(_call(T=8, S=8))
+    assert registry.get("blockwise") == Blockwise()  # the registered one is untouched
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunked(Implementation):
+    """A toy: the plain path run over chunks of queries (the mask description's block API)."""
+
+    name: str = "toy-chunked"
+    chunk: int = 5
+
+    def supports(self, call):
+        return "dropout" if call.dropout_rate > 0 else None
+
+    def preferred(self, call):
+        return False  # never the automatic choice
+
+    def __call__(self, call, query, key, value, dropout_rng):
+        from flax_attn.core import numerics
+        outs, lses = [], []
+        K, G = call.K, call.G
+        for start in range(0, call.T, self.chunk):
+            size = min(self.chunk, call.T - start)
+            q = numerics.group_queries(query[:, start:start + size], K)               # (B, K, G, t, H)
+            raw = jnp.einsum("BKGTH,BSKH->BKGTS", q, key, precision=call.precision,
+                             preferred_element_type=call.acc_dtype)
+            rows = jnp.arange(query.shape[0])
+            allowed = jax.vmap(lambda b: call.mask.block(b, (0, call.N), start, size, 0, call.S))(rows)
+            bias = None if call.mask.bias is None else jax.vmap(
+                lambda b: call.mask.block_bias(b, (0, call.N), start, size, 0, call.S))(rows)
+            group = lambda x: None if x is None else numerics.group_heads(x, K)
+            logits = numerics.finish_logits(call, raw, group(bias))
+            w, lse = numerics.softmax_parts(logits, jnp.broadcast_to(group(allowed), logits.shape))
+            if call.return_weights:
+                raise AssertionError("not asked in these tests")
+            o = jnp.einsum("BKGTS,BSKH->BKGTH", w.astype(value.dtype), value, precision=call.precision,
+                           preferred_element_type=call.acc_dtype)
+            outs.append(numerics.ungroup(o))
+            lses.append(numerics.ungroup(lse[..., None])[..., 0])
+        return Result(out=jnp.concatenate(outs, axis=1).astype(query.dtype), lse=jnp.concatenate(lses, axis=1))
+
+
+@pytest.fixture
+def toy():
+    impl = registry.register(_Chunked())
+    yield impl
+    registry.unregister(impl.name)
+
+
+def test_a_toy_implementation_registers_serves_and_leaves(toy):
+    assert registry.names() == ["cudnn", "blockwise", "toy-chunked", "xla"]
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 13, 4, 8)))
+    k, v = (jnp.asarray(rng.standard_normal((2, 17, 2, 8))) for _ in range(2))
+    bias = jnp.asarray(rng.standard_normal((1, 4, 1, 17)))
+    kw = dict(is_causal=True, local_window_size=(6, 0), key_value_seq_lengths=jnp.array([17, 9]))
+    f = lambda impl: (lambda q, k, v, b: fa.dot_product_attention(q, k, v, b, implementation=impl,
+                                                                  return_residual=True, **kw))
+    (out, lse), (ref, ref_lse) = f("toy-chunked")(q, k, v, bias), f("xla")(q, k, v, bias)
+    assert max_rel_error(out, ref) <= 1e-12
+    empty = np.isneginf(ref_lse)  # queries that see nothing (keys past length 9 in row 1)
+    assert empty.any() and (np.isneginf(lse) == empty).all()
+    assert max_rel_error(jnp.where(empty, 0, lse), jnp.where(empty, 0, ref_lse)) <= 1e-12
+    loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a)[0])))
+    for g, rg in zip(jax.grad(loss(toy), argnums=(0, 1, 2, 3))(q, k, v, bias),
+                     jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, bias)):
+        assert max_rel_error(g, rg) <= 1e-12
+    assert _chosen() == "blockwise"  # not preferred: the automatic choice is unchanged
+    with pytest.raises(ValueError, match="implementation='toy-chunked' does not support dropout"):
+        fa.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), implementation=toy)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(_Chunked())
+
+
+def test_the_toy_is_gone_after_unregistering():
+    assert "toy-chunked" not in registry.names()
+
+
+def test_xla_is_an_ordinary_registered_object():
+    assert isinstance(registry.get("xla"), XLA)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU; this run has none")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_equals_reference_on_gpu(causal):
+    # cuDNN takes bfloat16 only here, so it is held to a float32 reference computed from the same
+    # (exactly representable) bfloat16 inputs, at bfloat16's tolerance (relative 1e-2).
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 256, 8, 64))
+    k, v = rng.standard_normal((2, 256, 2, 64)), rng.standard_normal((2, 256, 2, 64))
+    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+    f32 = [x.astype(jnp.float32) for x in bf16]
+    f = lambda impl: (lambda *a: fa.dot_product_attention(*a, is_causal=causal, implementation=impl))
+    assert max_rel_error(f("cudnn")(*bf16), f("xla")(*f32)) < 1e-2
+    loss = lambda impl: (lambda *a: jnp.sum(f(impl)(*a).astype(jnp.float32) * jnp.cos(jnp.arange(64.0))))
+    g = jax.grad(loss("cudnn"), argnums=(0, 1, 2))(*bf16)
+    g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(*f32)
+    for a, b in zip(g, g_ref):
+        assert max_rel_error(a, b) < 1e-2

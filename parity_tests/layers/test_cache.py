@@ -1,0 +1,147 @@
+"""KV-cache decoding (flax_attn.layers.cache.KVCache in the Attention layer): pure (cache in,
+cache out), prefill then single steps equal to the full causal pass, one compilation for all
+steps, loud overflow, grouped-query and sliding window."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import flax_attn as fa
+import torch_ref as tr
+from conftest import assert_close
+
+D, N = 16, 4
+DECODE_CONFIGS = {
+    "mha-rope": {},
+    "gqa-rope-window": {"num_kv_heads": 2, "sliding_window": 4},
+    "mqa-interleaved-qknorm-softcap": {"num_kv_heads": 1, "rope_layout": "interleaved", "qk_norm": True,
+                                       "logit_softcap": 3.0},
+    "alibi": {"position": "alibi"},
+    "t5-decoder": {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 6},
+    "nope": {"position": "none"},
+}
+
+
+def _setup(cfg, T=12, B=2, dtype=jnp.float32, seed=0):
+    config = fa.AttentionConfig(d_model=D, num_heads=N, **cfg)
+    layer = fa.Attention(config)
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, D)), dtype)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    params = layer.init(jax.random.key(seed), x, positions)
+    return config, layer, params, x, positions
+
+
+def _decode(layer, params, cache, x, positions, prefill, step=1, jit=True):
+    apply = jax.jit(layer.apply) if jit else layer.apply
+    out, cache = apply(params, x[:, :prefill], positions[:, :prefill], cache=cache)
+    outs = [out]
+    for t in range(prefill, x.shape[1], step):
+        out, cache = apply(params, x[:, t:t + step], positions[:, t:t + step], cache=cache)
+        outs.append(out)
+    return jnp.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_CONFIGS))
+@pytest.mark.parametrize("prefill, step", [(5, 1), (1, 1), (3, 3)])
+def test_prefill_then_steps_equals_full_pass(name, prefill, step):
+    config, layer, params, x, positions = _setup(DECODE_CONFIGS[name])
+    full = layer.apply(params, x, positions)
+    cache = config.init_cache(batch=2, max_len=16)
+    decoded, cache = _decode(layer, params, cache, x, positions, prefill, step)
+    assert_close(decoded, full, np.float32, "decoded vs full")
+    assert int(cache.length) == 12
+
+
+@pytest.mark.parametrize("max_len", [3, 5, 8])
+def test_rolling_cache_for_a_sliding_window(max_len):
+    # Window 4 needs the 3 previous keys: a rolling cache of 3 slots is enough for any length.
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2, "sliding_window": 4}, T=20)
+    full = layer.apply(params, x, positions)
+    cache = config.init_cache(batch=2, max_len=max_len, rolling=True)
+    decoded, cache = _decode(layer, params, cache, x, positions, prefill=6)
+    assert_close(decoded, full, np.float32, "rolling decode vs full")
+    assert cache.key.shape[1] == max_len
+
+
+def test_rolling_cache_needs_a_window_that_fits():
+    config = fa.AttentionConfig(d_model=D, num_heads=N, sliding_window=4)
+    with pytest.raises(ValueError, match="needs max_len >= 3, got 2"):
+        config.init_cache(batch=1, max_len=2, rolling=True)
+    with pytest.raises(ValueError, match="a rolling cache drops old keys: it needs a sliding_window"):
+        fa.AttentionConfig(d_model=D, num_heads=N).init_cache(batch=1, max_len=8, rolling=True)
+    _, layer, params, x, positions = _setup({})
+    small = fa.KVCache.create(batch=2, max_len=4, num_kv_heads=N, head_dim=D // N, rolling=True)
+    with pytest.raises(ValueError, match="too small for sliding_window=None"):
+        layer.apply(params, x[:, :1], positions[:, :1], cache=small)
+
+
+def test_steps_compile_once():
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2, "sliding_window": 4})
+    traces = []
+
+    @jax.jit
+    def step(params, cache, token, position):
+        traces.append(1)  # runs only when jax traces (compiles) the function
+        return layer.apply(params, token, position, cache=cache)
+
+    cache = config.init_cache(batch=2, max_len=16)
+    _, cache = layer.apply(params, x[:, :4], positions[:, :4], cache=cache)
+    for t in range(4, 12):
+        _, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])
+    assert len(traces) == 1
+    assert step._cache_size() == 1
+
+
+def test_cache_overflow_is_a_clear_error():
+    config, layer, params, x, positions = _setup({})
+    cache = config.init_cache(batch=2, max_len=6)
+    _, cache = layer.apply(params, x[:, :5], positions[:, :5], cache=cache)
+    with pytest.raises(ValueError, match=r"KV cache overflow: 5 cached \+ 2 new tokens > max_len=6"):
+        layer.apply(params, x[:, 5:7], positions[:, 5:7], cache=cache)
+    with pytest.raises(Exception, match=r"KV cache overflow: 5 cached \+ 2 new tokens > max_len=6"):
+        jax.block_until_ready(jax.jit(layer.apply)(params, x[:, 5:7], positions[:, 5:7], cache=cache))
+    with pytest.raises(ValueError, match="7 new tokens do not fit a cache of max_len=6"):
+        layer.apply(params, x[:, :7], positions[:, :7], cache=config.init_cache(batch=2, max_len=6))
+
+
+def test_cache_takes_left_padded_prompts():
+    # Row 1's prompt is 2 tokens shorter: left-padded with segment id -1, positions from 0 at
+    # its first real token. Its decoded tokens equal decoding it alone.
+    config, layer, params, x, _ = _setup({"num_kv_heads": 2})
+    segments = jnp.array([[0] * 12, [-1, -1] + [0] * 10])
+    positions = jnp.array([list(range(12)), [0, 0] + list(range(10))])
+    cache = config.init_cache(batch=2, max_len=12)
+    out, cache = layer.apply(params, x[:, :5], positions[:, :5], segments[:, :5], cache=cache)
+    outs = [out]
+    for t in range(5, 12):
+        out, cache = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], segments[:, t:t + 1], cache=cache)
+        outs.append(out)
+    batched = jnp.concatenate(outs, axis=1)
+    alone = layer.apply(params, x[1:, 2:], positions[1:, 2:])
+    assert_close(batched[1, 2:], alone[0], np.float32, "left-padded row")
+    np.testing.assert_array_equal(batched[1, :2], 0.0)  # padding queries attend to nothing (and no out_bias)
+
+
+@pytest.mark.parametrize("name", ["gqa-rope-window", "alibi", "t5-decoder"])
+def test_decode_steps_match_torch_reference(name):
+    config, layer, params, x, positions = _setup(DECODE_CONFIGS[name], dtype=jnp.float64)
+    torch.manual_seed(0)
+    twin = tr.twin(layer).double()
+    params = fa.from_torch_state_dict(layer, tr.state_dict_to_numpy(twin.state_dict()))
+    cache, t_cache = config.init_cache(batch=2, max_len=12, dtype=jnp.float64), {}
+    tx, tp = torch.from_numpy(np.array(x)), torch.from_numpy(np.array(positions)).long()
+    for lo, hi in [(0, 5)] + [(t, t + 1) for t in range(5, 12)]:
+        out, cache = layer.apply(params, x[:, lo:hi], positions[:, lo:hi], cache=cache)
+        with torch.no_grad():
+            t_out, t_cache = twin(tx[:, lo:hi], tp[:, lo:hi], cache=t_cache)
+        assert_close(out, t_out.numpy(), np.float64, f"tokens {lo}:{hi}")
+
+
+def test_cache_is_a_pytree_and_create_validates():
+    cache = fa.KVCache.create(batch=2, max_len=8, num_kv_heads=2, head_dim=4)
+    leaves = jax.tree_util.tree_leaves(cache)
+    assert len(leaves) == 5 and int(cache.length) == 0
+    assert (np.asarray(cache.segment_ids) == -1).all()
+    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+        fa.KVCache.create(batch=2, max_len=0, num_kv_heads=2, head_dim=4)
