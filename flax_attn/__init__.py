@@ -23,7 +23,7 @@ Every public name is importable from here; ``flax_attn.rope``, ``flax_attn.alibi
 """
 from flax_attn.positional import alibi, rope, t5
 from flax_attn.textbook import basics
-from flax_attn import checkpoint, core, interop
+from flax_attn import checkpoint, core, interop, plot
 from flax_attn.core import dot_product_attention, dropout, masked_softmax
 from flax_attn.core import mask as masks
 from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
@@ -84,6 +84,7 @@ __all__ = [
     "dropout",
     "from_torch_state_dict",
     "interop",
+    "plot",
     "masked_softmax",
     "masks",
     "positional_encoding",

@@ -1,7 +1,11 @@
 """Checkpoints: bit-exact round trips, atomic saves that survive a kill, and restores that refuse
 a module of another configuration."""
+import collections
+import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +32,13 @@ def _assert_bit_exact(a, b):
         np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
+def _init(module, key=0):
+    """``module.init`` on one example: two tokens of the module's width."""
+    if isinstance(module, fa.Attention):
+        return module.init(jax.random.key(key), jnp.zeros((1, 2, module.config.d_model)), jnp.arange(2)[None])
+    return module.init(jax.random.key(key), jnp.zeros((1, 2, module.d_in)), deterministic=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.bfloat16])
 @pytest.mark.parametrize("module", [
     fa.MultiHeadAttention(8, 8, 16, 0.0, 2, qkv_bias=True),
@@ -36,7 +47,7 @@ def _assert_bit_exact(a, b):
 ], ids=["MultiHeadAttention", "Attention", "MultiHeadAttentionWrapper"])
 def test_round_trip_is_bit_exact(module, dtype, tmp_path):
     module = module.clone(param_dtype=dtype)
-    variables = module.init(jax.random.key(0), *module.example_inputs(), **module.example_kwargs())
+    variables = _init(module)
     variables = jax.tree_util.tree_map(lambda x: (x + 0.1234567).astype(dtype), variables)  # non-trivial bits
     assert jax.tree_util.tree_leaves(variables)[0].dtype == dtype
     ck.save(tmp_path, 0, module, variables)
@@ -114,9 +125,211 @@ def test_restoring_into_another_configuration_is_an_error(tmp_path):
 
 def test_attention_config_differences_are_listed(tmp_path):
     m = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2, rope_layout="interleaved"))
-    ck.save(tmp_path, 0, m, m.init(jax.random.key(0), *m.example_inputs(), **m.example_kwargs()))
+    ck.save(tmp_path, 0, m, _init(m))
     other = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2, rope_layout="rotate_half", dropout=0.1))
     with pytest.raises(ck.CheckpointMismatchError) as err:
         ck.restore(tmp_path, other)
     assert "config.rope_layout is 'interleaved' in the checkpoint, 'rotate_half' in the module" in str(err.value)
     assert "dropout" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints that cannot lie: damage is an error naming the step and the array; one writer.
+
+def _paths(variables):
+    return ["/".join(p) for p, _ in
+            sorted(jax.tree_util.tree_flatten_with_path(variables["params"])[0], key=lambda e: str(e[0]))]
+
+
+def _incompressible(module, seed):
+    """Variables whose bytes do not compress (random bits, finite), so Orbax stores them verbatim."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(x):
+        bits = rng.integers(0, 2**32, size=x.shape, dtype=np.uint32).view(np.float32)
+        return np.where(np.isfinite(bits), bits, np.float32(0.5))
+    return jax.tree_util.tree_map(leaf, _init(module))
+
+
+def _files(step_dir):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs)
+
+
+def _flip_bit(path, offset, bit=3):
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 1 << bit
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's reader threads, on damage
+def test_a_flipped_bit_in_any_array_is_an_error_naming_the_step_and_the_array(tmp_path):
+    m = fa.MultiHeadAttention(32, 32, 16, 0.0, 2, qkv_bias=True)  # kernels 4 KiB, biases 128 B
+    good, latest = _incompressible(m, 1), _incompressible(m, 2)
+    ck.save(tmp_path, 1, m, good)
+    ck.save(tmp_path, 2, m, latest)
+    flat = {"/".join(k.key for k in p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(latest["params"])[0]}
+    assert len(flat) == 8
+    for name, array in flat.items():
+        raw = array.tobytes()
+        middle = raw[len(raw) // 2 - 16: len(raw) // 2 + 16]
+        # Where Orbax keeps this array's bytes (the merged database; a per-process copy may exist too).
+        hits = [(f, open(f, "rb").read().find(middle)) for f in _files(tmp_path / "2")]
+        hits = [(f, i) for f, i in hits if i >= 0]
+        assert hits, f"the bytes of {name} were not found in any file of step 2"
+        for f, i in hits:
+            _flip_bit(f, i + 5)
+        with pytest.raises(ck.CheckpointCorruptError) as err:
+            ck.restore(tmp_path, m)
+        assert err.value.step == 2 and name in err.value.arrays, (name, err.value)
+        if array.nbytes > 1024:  # Orbax stores it apart (small arrays share a checksummed node with the rest)
+            assert err.value.arrays == (name,), (name, err.value)
+        assert "step 2 is damaged" in str(err.value) and name in str(err.value)
+        assert "Other steps: [1] (restore one with step=)" in str(err.value)
+        with pytest.raises(ck.CheckpointCorruptError, match=name):
+            ck.verify(tmp_path)
+        _assert_bit_exact(ck.restore(tmp_path, m, step=1), good)  # the previous step is untouched
+        for f, i in hits:
+            _flip_bit(f, i + 5)  # undo: the flip alone made the difference
+        _assert_bit_exact(ck.restore(tmp_path, m), latest)
+    assert ck.verify(tmp_path) == 2 and ck.verify(tmp_path, step=1) == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's reader threads, on damage
+def test_any_damage_to_any_file_is_an_error_or_harmless(tmp_path):
+    """Every file of a step, a bit flipped at the start, the middle or the end, or the file cut
+    to half its length: restore either raises CheckpointCorruptError for that step or
+    returns the saved bits (the file held nothing restore reads, such as Orbax's per-process copy
+    or a commit log). Never other values, never another exception; the previous step restores."""
+    m = fa.MultiHeadAttention(16, 16, 16, 0.0, 2, qkv_bias=True)
+    good, latest = _init(m, 1), _init(m, 2)
+    latest = jax.tree_util.tree_map(lambda x: x + 0.25, latest)  # realistic, compressible values
+    ck.save(tmp_path, 1, m, good)
+    ck.save(tmp_path, 2, m, latest)
+    outcomes = collections.Counter()
+    for f in _files(tmp_path / "2"):
+        original = open(f, "rb").read()
+        size = len(original)
+        damages = [("flip", o) for o in sorted({0, size // 2, size - 1})] + [("cut", size // 2)]
+        for kind, offset in damages:
+            if kind == "flip":
+                _flip_bit(f, offset)
+            else:
+                os.truncate(f, offset)
+            try:
+                restored = ck.restore(tmp_path, m)
+            except ck.CheckpointCorruptError as e:
+                assert e.step == 2 and "step 2 is damaged" in str(e), (f, kind, offset, e)
+                outcomes["error"] += 1
+            else:
+                _assert_bit_exact(restored, latest)
+                outcomes["harmless"] += 1
+            with open(f, "wb") as out:
+                out.write(original)
+        _assert_bit_exact(ck.restore(tmp_path, m, step=1), good)
+    _assert_bit_exact(ck.restore(tmp_path, m), latest)
+    # The parameters' data, their tree metadata and the checksum record are among the files.
+    assert outcomes["error"] >= 20, outcomes
+
+
+def test_a_missing_checksum_record_or_module_description_is_an_error(tmp_path):
+    m = fa.MultiHeadAttention(8, 8, 16, 0.0, 2)
+    v = _init(m)
+    ck.save(tmp_path, 3, m, v)
+    description = tmp_path / "3" / "module" / "metadata"
+    text = description.read_text()
+    description.write_text(text.replace('"num_heads": 2', '"num_heads": 4'))  # still valid JSON
+    with pytest.raises(ck.CheckpointCorruptError, match="step 3 is damaged: the module description fails its checksum"):
+        ck.restore(tmp_path, fa.MultiHeadAttention(8, 8, 16, 0.0, 4))
+    description.write_text(text)
+    _assert_bit_exact(ck.restore(tmp_path, m), v)
+    # A step without checksums (as written before they were recorded) is not trusted silently.
+    shutil.rmtree(tmp_path / "3" / "checksums")
+    with pytest.raises(ck.CheckpointCorruptError, match="holds no checksums.*verify_checksums=False"):
+        ck.restore(tmp_path, m)
+    _assert_bit_exact(ck.restore(tmp_path, m, verify_checksums=False), v)
+
+
+def _write_lock(directory, pid, host=None):
+    os.makedirs(directory, exist_ok=True)
+    lock = os.path.join(directory, ck.LOCK_NAME)
+    with open(lock, "w") as f:
+        json.dump({"pid": pid, "host": host or socket.gethostname(), "since": "earlier", "token": "x"}, f)
+    return lock
+
+
+def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_path):
+    m = fa.MultiHeadAttention(8, 8, 16, 0.0, 2)
+    v = _init(m)
+    # A live writer (this process stands in for it) holds the lock: refused, nothing written.
+    lock = _write_lock(tmp_path, os.getpid())
+    with pytest.raises(ck.CheckpointLockedError, match=rf"being written by pid {os.getpid()} on host .*nothing was saved"):
+        ck.save(tmp_path, 1, m, v)
+    assert ck.steps(tmp_path) == [] and os.path.exists(lock)
+    # A lock left on another host cannot be checked: refused, saying how to clear it.
+    _write_lock(tmp_path, 1, host="elsewhere.invalid")
+    with pytest.raises(ck.CheckpointLockedError, match="another host is not checked.*delete it"):
+        ck.save(tmp_path, 1, m, v)
+    # A lock left by a process of this host that has died is stale: taken over.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_lock(tmp_path, dead.pid)
+    ck.save(tmp_path, 1, m, v)
+    assert ck.steps(tmp_path) == [1] and not os.path.exists(lock)  # released after the save
+    _assert_bit_exact(ck.restore(tmp_path, m), v)
+    with pytest.raises(ValueError, match=r"step 1 is not after the latest saved step 1 .*\(step 1 exists; a saved step is never replaced\)"):
+        ck.save(tmp_path, 1, m, jax.tree_util.tree_map(lambda x: x + 1, v))
+    _assert_bit_exact(ck.restore(tmp_path, m), v)
+
+
+CONCURRENT_WRITER = textwrap.dedent("""
+    import os, sys, time, jax, jax.numpy as jnp
+    import flax_attn as fa
+    from flax_attn import checkpoint as ck
+    directory, who, ready = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    m = fa.MultiHeadAttention(64, 64, 16, 0.0, 4)
+    v = m.init(jax.random.key(0), jnp.zeros((1, 2, 64)), deterministic=True)
+    open(f"{ready}.{who}", "w").close()
+    while not all(os.path.exists(f"{ready}.{w}") for w in (1, 2)):  # start together
+        time.sleep(0.001)
+    for step in range(12):
+        for attempt in range(5):  # a refused writer may try again
+            try:
+                ck.save(directory, step, m, jax.tree_util.tree_map(lambda x: x * (step + 1) + 1000 * who, v))
+                print("saved", step, flush=True)
+            except ck.CheckpointLockedError:
+                print("locked", step, flush=True)
+                time.sleep(0.02)
+                continue
+            except ValueError as e:
+                assert "is not after the latest saved step" in str(e), e
+                print("behind", step, flush=True)
+            break
+""")
+
+
+def test_two_processes_saving_into_one_directory_lose_nothing_reported_saved(tmp_path):
+    directory = tmp_path / "ckpt"
+    writers = [subprocess.Popen([sys.executable, "-c", CONCURRENT_WRITER, str(directory), str(who),
+                                 str(tmp_path / "ready")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for who in (1, 2)]
+    reports = {}
+    for who, w in zip((1, 2), writers):
+        out, err = w.communicate(timeout=600)
+        assert w.returncode == 0, err[-3000:]
+        reports[who] = [line.split() for line in out.splitlines()]
+    saved = {who: {int(s) for kind, s in lines if kind == "saved"} for who, lines in reports.items()}
+    refused = collections.Counter(kind for lines in reports.values() for kind, _ in lines if kind != "saved")
+    print(saved, refused)
+    assert refused["locked"] > 0, "the writers never overlapped: the test did not test concurrency"
+    assert not saved[1] & saved[2], "a step was reported saved by both writers"
+    # Exactly the steps reported saved exist, each restorable, bit for bit what its writer saved.
+    assert ck.steps(directory) == sorted(saved[1] | saved[2])
+    m = fa.MultiHeadAttention(64, 64, 16, 0.0, 4)
+    v = m.init(jax.random.key(0), jnp.zeros((1, 2, 64)), deterministic=True)
+    for who, their_steps in saved.items():
+        for step in their_steps:
+            expected = jax.tree_util.tree_map(lambda x: x * (step + 1) + 1000 * who, v)
+            _assert_bit_exact(ck.restore(directory, m, step=step), expected)
+    assert not [e for e in os.listdir(directory) if "tmp" in e or e.startswith(ck.LOCK_NAME)]
