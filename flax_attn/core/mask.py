@@ -227,8 +227,8 @@ class Mask:
         B, N, T, S = self._dims()
         if not self.has_rules:
             return None
-        rows = B if any(getattr(self, f) is not None and getattr(self, f).shape[0] > 1 for f in _ARRAYS[:7]) else 1
-        heads = N if self.dense is not None and self.dense.shape[1] > 1 else 1
+        rows = B if any(getattr(self, f) is not None and getattr(self, f).shape[0] != 1 for f in _ARRAYS[:7]) else 1
+        heads = N if self.dense is not None and self.dense.shape[1] != 1 else 1
         if rows == 1:
             return self.block(0, (0, heads), 0, T, 0, S)[None]
         return jax.vmap(lambda b: self.block(b, (0, heads), 0, T, 0, S))(jnp.arange(rows))
@@ -242,7 +242,7 @@ class Mask:
         def ts(x, fill):
             if x is None:
                 return None
-            pad = [(0, 0), (0, 0), (0, Tp - T if x.shape[2] > 1 else 0), (0, Sp - S if x.shape[3] > 1 else 0)]
+            pad = [(0, 0), (0, 0), (0, Tp - T if x.shape[2] != 1 else 0), (0, Sp - S if x.shape[3] != 1 else 0)]
             return jnp.pad(x, pad, constant_values=fill)
 
         return dataclasses.replace(
@@ -262,17 +262,17 @@ def _intersect(a, b):
 
 def _rows(x, b, start, size: int):
     """``x[b or 0, start:start + size]`` of a (B|1, L) array."""
-    row = x[b] if x.shape[0] > 1 else x[0]
+    row = x[0] if x.shape[0] == 1 else x[b]  # "== 1", not "> 1": a symbolic batch (jax.export) is not 1
     return lax.dynamic_slice_in_dim(row, start, size)
 
 
 def _tile(x, b, heads, q_start, bq: int, k_start, bk: int):
     """``x[b, h0:h0+n, q_start:+bq, k_start:+bk]`` of a 4-D array whose dims may be 1 (kept as 1)."""
     h0, n = heads
-    x = x[b] if x.shape[0] > 1 else x[0]
+    x = x[0] if x.shape[0] == 1 else x[b]
     starts, sizes = [], []
     for dim, start, size in ((0, h0, n), (1, q_start, bq), (2, k_start, bk)):
-        if x.shape[dim] > 1:
+        if x.shape[dim] != 1:
             starts.append(start)
             sizes.append(size)
         else:
@@ -288,7 +288,7 @@ def _visible(length: int, lengths, segments, dense, keep: int):
         ok = _within(lengths, length)
     if segments is not None:
         ok = segments >= 0 if ok is None else ok & (segments >= 0)
-    if dense is not None and dense.shape[keep] > 1:
+    if dense is not None and dense.shape[keep] != 1:
         d = jnp.any(dense, axis=(1, 5 - keep))  # over heads and the other of T, S: (B|1, length)
         ok = d if ok is None else ok & d
     return ok

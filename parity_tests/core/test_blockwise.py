@@ -12,14 +12,14 @@ import torch_ref as tr
 from flax_attn.core import Blockwise
 from conftest import DTYPES, assert_close, run_parity
 
-# (block_q, block_k, block_k_backward)
-BLOCKS = {"8-8-4": (8, 8, 4), "16-8-8": (16, 8, 8), "7-6-3": (7, 6, 3)}
-SMALL = Blockwise(block_q=8, block_k=8, block_k_backward=4)
+# (block_q, block_k)
+BLOCKS = {"8-8": (8, 8), "16-8": (16, 8), "7-6": (7, 6)}
+SMALL = Blockwise(block_q=8, block_k=8)
 
 
-def small(name="8-8-4"):
-    bq, bk, bkb = BLOCKS[name]
-    return Blockwise(block_q=bq, block_k=bk, block_k_backward=bkb)
+def small(name="8-8"):
+    bq, bk = BLOCKS[name]
+    return Blockwise(block_q=bq, block_k=bk)
 
 
 def _case(name, B=2, T=37, S=37, N=4, K=2, H=8, Hv=8, seed=0):
@@ -94,7 +94,7 @@ def test_blockwise_equals_reference_float32(feature):
     _check_blockwise(feature, "T<S", (4, 2), np.float32)
 
 
-@pytest.mark.parametrize("blocks, shape", [("16-8-8", "T<S"), ("7-6-3", "T>S")])
+@pytest.mark.parametrize("blocks, shape", [("16-8", "T<S"), ("7-6", "T>S")])
 @pytest.mark.parametrize("feature", FEATURES)
 def test_blockwise_equals_reference_other_blocks(feature, blocks, shape):
     _check_blockwise(feature, shape, (4, 2), np.float64, small(blocks))

@@ -15,7 +15,7 @@ SETTINGS = settings(max_examples=15, deadline=None, derandomize=True, database=N
 
 
 # Tiny blocks: every block-skipping branch runs on these small problems.
-SMALL_BLOCKWISE = Blockwise(block_q=4, block_k=3, block_k_backward=2)
+SMALL_BLOCKWISE = Blockwise(block_q=4, block_k=3)
 
 
 @st.composite

@@ -72,7 +72,7 @@ def test_automatic_choice_falls_back_silently_and_named_ones_say_why():
 
 
 def test_tuning_knobs_are_fields_not_globals():
-    small = Blockwise(block_q=4, block_k=4, block_k_backward=2, min_length=8)
+    small = Blockwise(block_q=4, block_k=4, min_length=8)
     assert small.preferred(_call(T=8, S=8)) and not Blockwise().preferred(_call(T=8, S=8))
     assert registry.get("blockwise") == Blockwise()  # the registered one is untouched
 
