@@ -14,7 +14,9 @@ Rooms of the package (imports point down the list):
 4. :mod:`flax_attn.textbook`: the chapter's and the Transformer notes' code, reproduced
    (``basics``, ``MultiHeadAttention`` and the other chapter modules,
    ``scaled_dot_product_attention``, ``create_causal_mask``, ``TransformerMultiHeadAttention``);
-5. interop: :mod:`flax_attn.interop` (the registry of PyTorch twins; state_dict <-> Flax
+5. :mod:`flax_attn.nnx`: every module as a native Flax NNX module, on the same pure stages;
+   :func:`flax_attention_fn`, an ``attention_fn`` for Flax's own attention layers;
+6. interop: :mod:`flax_attn.interop` (the registry of PyTorch twins; state_dict <-> Flax
    params, NumPy only) and :mod:`flax_attn.checkpoint` (Orbax save/restore, checked against
    the module).
 
@@ -23,7 +25,8 @@ Every public name is importable from here; ``flax_attn.rope``, ``flax_attn.alibi
 """
 from flax_attn.positional import alibi, rope, t5
 from flax_attn.textbook import basics
-from flax_attn import checkpoint, core, interop, plot
+from flax_attn import checkpoint, core, interop, nnx, plot
+from flax_attn.layers.flax_hook import flax_attention_fn
 from flax_attn.core import dot_product_attention, dropout, masked_softmax
 from flax_attn.core import mask as masks
 from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
@@ -83,7 +86,9 @@ __all__ = [
     "dot_product_attention",
     "dropout",
     "from_torch_state_dict",
+    "flax_attention_fn",
     "interop",
+    "nnx",
     "plot",
     "masked_softmax",
     "masks",

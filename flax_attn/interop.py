@@ -22,7 +22,14 @@ twin registers. ``torch_ref.twin(module)`` builds the twin from the record. The 
 of flax_attn's own modules are at the end of this file.
 
 Missing, unexpected, mis-shaped and wrongly typed entries are collected and raised together
-in one :class:`StateDictError`. Values are copied bit for bit (transposes only).
+in one :class:`StateDictError`. Values are copied bit for bit (transposes only): a dtype JAX
+cannot hold as it is (float64 while JAX runs in 32-bit mode, where ``jnp.asarray`` would round
+to float32) is an error naming the entry, unless the caller chose a ``dtype=`` to convert to.
+
+NNX modules (:mod:`flax_attn.nnx`) are served through their Linen twins, which have the same
+parameter names: ``from_torch_state_dict(nnx_module, sd)`` loads the weights into the NNX
+module and returns it; ``to_torch_state_dict(nnx_module)`` reads them from it;
+``twin_of(nnx_module)`` is its Linen twin's record, so ``torch_ref.twin(nnx_module)`` works.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
+from flax import nnx, traverse_util
 
 from flax_attn.layers import Attention, LearnedPositionalEmbedding
 from flax_attn.textbook import (
@@ -107,20 +114,38 @@ def register_twin(module: type, *, torch: str, kwargs: Callable[[Any], dict],
 
 
 def twin_of(module) -> Twin:
-    """The :class:`Twin` record of a module (an instance or a class), or of its nearest registered base."""
+    """The :class:`Twin` record of a module (an instance or a class), or of its nearest registered base.
+
+    A flax_attn NNX module (a class with a ``linen_class``) has its Linen twin's record: the
+    NNX module has the same fields, so the record's callables read it as they read the Linen one.
+    """
     cls = module if isinstance(module, type) else type(module)
     for base in cls.__mro__:
         if base in _TWINS:
             return _TWINS[base]
+    linen_class = getattr(cls, "linen_class", None)
+    if isinstance(linen_class, type) and linen_class is not cls:
+        return twin_of(linen_class)
     raise TypeError(f"{cls.__name__} has no PyTorch twin: register one with "
                     f"flax_attn.interop.register_twin({cls.__name__}, torch='torch_ref....', ...)")
 
 
+def _linen(module):
+    """``module``, or the Linen twin of a flax_attn NNX module."""
+    if isinstance(module, nnx.Module):
+        from flax_attn.nnx.convert import linen_twin
+
+        return linen_twin(module)
+    return module
+
+
 def init_example(module, rng=None):
-    """``module.init`` on its registered example inputs: variables with real values.
+    """``module.init`` on its registered example inputs: variables with real values
+    (of the Linen twin, for an NNX module).
 
     ``rng``: a PRNG key (default ``jax.random.key(0)``).
     """
+    module = _linen(module)
     twin = twin_of(module)
     rng = jax.random.key(0) if rng is None else rng
     return module.init(rng, *twin.example_inputs(module), **twin.example_kwargs(module))
@@ -145,8 +170,20 @@ def _as_numpy(value) -> np.ndarray:
         raise TypeError(f"{e} (torch_ref.state_dict_to_numpy converts any torch state_dict)") from None
 
 
+def _kept_dtype(value_dtype: np.dtype, dtype) -> tuple[Optional[np.dtype], Optional[str]]:
+    """The dtype an entry becomes and, if it cannot be kept silently, why (a problem to list)."""
+    if dtype is None:
+        stored = np.dtype(jax.dtypes.canonicalize_dtype(value_dtype))
+        if stored != value_dtype:
+            return None, (f"has dtype {value_dtype}, which JAX would store as {stored} (64-bit types are off: "
+                          f"jax_enable_x64 is False); enable them with jax.config.update('jax_enable_x64', True) "
+                          f"or convert on purpose with dtype=jnp.{stored}")
+        return value_dtype, None
+    return np.dtype(dtype), None
+
+
 def params_from_state_dict(state_dict: Mapping[str, Any], template, *,
-                           buffers: Mapping[str, np.ndarray] | None = None) -> dict:
+                           buffers: Mapping[str, np.ndarray] | None = None, dtype=None) -> dict:
     """Convert ``state_dict`` to a Flax ``params`` tree shaped like ``template``.
 
     Args:
@@ -154,13 +191,28 @@ def params_from_state_dict(state_dict: Mapping[str, Any], template, *,
       template: the Flax params tree (arrays or ``jax.ShapeDtypeStruct``), without the
         'params' collection key.
       buffers: expected buffers by name; present ones must equal these, and are skipped.
+      dtype: None (default) keeps every entry's dtype, bit for bit; a dtype JAX cannot hold
+        (float64 in 32-bit mode) is then an error naming the entry. A floating dtype converts
+        every parameter to it, on purpose (e.g. ``jnp.float32`` or ``jnp.bfloat16``).
 
     Returns:
-      A nested dict of ``jnp`` arrays with the state_dict's dtypes.
+      A nested dict of ``jnp`` arrays with the state_dict's dtypes (or ``dtype``).
 
     Raises:
-      StateDictError: listing every missing, unexpected, mis-shaped or wrongly typed entry.
+      StateDictError: listing every missing, unexpected, mis-shaped, wrongly typed entry or
+        one whose dtype would change.
+      TypeError: ``dtype`` is not a floating dtype JAX holds as it is.
     """
+    if dtype is not None:
+        try:
+            want = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be a floating dtype such as jnp.float32, got {dtype!r}") from None
+        if not (np.issubdtype(want, np.floating) or want.name == "bfloat16"):
+            raise TypeError(f"dtype must be a floating dtype such as jnp.float32, got {want}")
+        if np.dtype(jax.dtypes.canonicalize_dtype(want)) != want:
+            raise TypeError(f"dtype={want} cannot be held while 64-bit types are off (jax_enable_x64 is False): "
+                            f"enable them or choose dtype=jnp.{jax.dtypes.canonicalize_dtype(want)}")
     buffers = dict(buffers or {})
     flat_template = traverse_util.flatten_dict(template)
     expected = {torch_name(p): p for p in flat_template}
@@ -188,7 +240,12 @@ def params_from_state_dict(state_dict: Mapping[str, Any], template, *,
         if value.shape != torch_shape:
             problems.append(f"entry '{name}' has shape {value.shape}, expected {torch_shape}")
             continue
-        flat_params[path] = jnp.asarray(value.T if _is_kernel(path) else value)
+        target, problem = _kept_dtype(value.dtype, dtype)
+        if problem:
+            problems.append(f"entry '{name}' {problem}")
+            continue
+        value = value.T if _is_kernel(path) else value
+        flat_params[path] = jnp.asarray(value.astype(target, copy=False))
     for name, expected_value in buffers.items():
         if name not in state_dict:
             continue
@@ -229,18 +286,38 @@ def param_template(module) -> dict:
     return variables["params"]
 
 
-def from_torch_state_dict(module, state_dict: Mapping[str, Any]) -> dict:
+def from_torch_state_dict(module, state_dict: Mapping[str, Any], *, dtype=None):
     """Variables ``{'params': ...}`` for ``module`` from its PyTorch twin's ``state_dict``.
 
     ``state_dict`` holds NumPy arrays (``torch_ref.state_dict_to_numpy`` makes them).
-    Strict: see :func:`params_from_state_dict`.
+    Strict: see :func:`params_from_state_dict`. Values are kept bit for bit in their dtype;
+    ``dtype=`` (e.g. ``jnp.float32`` for float64 weights in JAX's 32-bit mode) converts them,
+    and only then.
+
+    For a flax_attn NNX module (:mod:`flax_attn.nnx`) the weights are loaded into ``module``
+    (in place) and the module is returned.
     """
-    return {"params": params_from_state_dict(state_dict, param_template(module),
-                                             buffers=twin_of(module).buffers(module))}
+    linen = _linen(module)
+    params = params_from_state_dict(state_dict, param_template(linen), buffers=twin_of(linen).buffers(linen),
+                                    dtype=dtype)
+    if linen is not module:
+        from flax_attn.nnx.convert import from_linen
+
+        return from_linen(module, {"params": params})
+    return {"params": params}
 
 
-def to_torch_state_dict(module, variables) -> dict[str, np.ndarray]:
-    """The PyTorch twin's ``state_dict`` (NumPy arrays, buffers included) from ``variables``."""
+def to_torch_state_dict(module, variables=None) -> dict[str, np.ndarray]:
+    """The PyTorch twin's ``state_dict`` (NumPy arrays, buffers included) from ``variables``
+    (for an NNX module: from the module's own parameters when ``variables`` is None)."""
+    if isinstance(module, nnx.Module):
+        if variables is None:
+            from flax_attn.nnx.convert import to_linen
+
+            variables = to_linen(module)
+        module = _linen(module)
+    if variables is None:
+        raise TypeError("to_torch_state_dict(module, variables): a Linen module needs its variables")
     params = variables["params"] if "params" in variables else variables
     template = param_template(module)
     got = traverse_util.flatten_dict(params)

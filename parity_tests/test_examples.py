@@ -11,6 +11,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 @pytest.mark.parametrize("script, expect", [
     ("chapter_walkthrough.py", "22 of 22 printed numbers reproduced."),
     ("tiny_decoder.py", "same tokens: True"),
+    ("nnx_decoder.py", "same tokens: True"),
 ])
 def test_example_runs(script, expect):
     result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)

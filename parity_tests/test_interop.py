@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 import torch
 from flax import linen as nn
+from flax import nnx, traverse_util
 
 import flax_attn as fa
+import flax_attn.nnx as fnnx
 import torch_ref as tr
+from conftest import assert_close
 from flax_attn import interop
 
 CASES = {
@@ -202,3 +205,78 @@ def test_bfloat16_torch_tensors_need_the_numpy_helper():
     t, f = _pair("MultiHeadAttention", torch.bfloat16)
     with pytest.raises(fa.StateDictError, match="state_dict_to_numpy converts any torch state_dict"):
         fa.from_torch_state_dict(f, t.state_dict())
+
+
+# ---------------------------------------------------------------- no silent dtype changes
+
+def test_float64_weights_in_32_bit_mode_are_an_error_naming_the_entry():
+    t, f = _pair("MultiHeadAttention", torch.float64)
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    with jax.enable_x64(False):
+        with pytest.raises(fa.StateDictError) as err:
+            fa.from_torch_state_dict(f, sd)
+        msg = str(err.value)
+        for name in ("W_query.weight", "W_key.weight", "W_value.weight", "out_proj.weight", "out_proj.bias"):
+            assert (f"entry '{name}' has dtype float64, which JAX would store as float32 (64-bit types are off: "
+                    f"jax_enable_x64 is False)") in msg
+        assert "or convert on purpose with dtype=jnp.float32" in msg
+        # the explicit choice converts, and says so by being there
+        variables = fa.from_torch_state_dict(f, sd, dtype=jnp.float32)
+        kernel = variables["params"]["W_query"]["kernel"]
+        assert kernel.dtype == jnp.float32
+        np.testing.assert_array_equal(kernel, sd["W_query.weight"].T.astype(np.float32))
+        with pytest.raises(TypeError, match="dtype=float64 cannot be held while 64-bit types are off"):
+            fa.from_torch_state_dict(f, sd, dtype=np.float64)
+        # float32 weights need no choice
+        sd32 = tr.state_dict_to_numpy(t.float().state_dict())
+        assert fa.from_torch_state_dict(f, sd32)["params"]["out_proj"]["bias"].dtype == jnp.float32
+
+
+def test_dtypes_are_kept_unless_a_dtype_is_chosen():
+    t, f = _pair("SelfAttention_v2", torch.float64)
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    kept = fa.from_torch_state_dict(f, sd)  # x64 on (conftest): float64 stays float64, bit for bit
+    np.testing.assert_array_equal(kept["params"]["W_key"]["kernel"], sd["W_key.weight"].T)
+    assert kept["params"]["W_key"]["kernel"].dtype == jnp.float64
+    chosen = fa.from_torch_state_dict(f, sd, dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(chosen))
+    np.testing.assert_array_equal(chosen["params"]["W_key"]["bias"], sd["W_key.bias"].astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="dtype must be a floating dtype such as jnp.float32, got int32"):
+        fa.from_torch_state_dict(f, sd, dtype=jnp.int32)
+
+
+# ---------------------------------------------------------------- NNX modules share the converter
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_nnx_modules_load_torch_weights_and_give_them_back(name):
+    t, f = _pair(name, torch.float64)
+    model = getattr(fnnx, name)(*CASES[name], rngs=nnx.Rngs(0))
+    assert type(tr.twin(model)) is type(t)  # torch_ref builds the twin of an NNX module too
+    assert interop.twin_of(model) is interop.twin_of(f)
+    sd = tr.state_dict_to_numpy(t.state_dict())
+    assert fa.from_torch_state_dict(model, sd) is model  # loaded in place
+    linen = fa.from_torch_state_dict(f, sd)
+    for path, value in traverse_util.flatten_dict(fnnx.to_linen(model)["params"]).items():
+        want = traverse_util.flatten_dict(linen["params"])[path]
+        assert value.dtype == want.dtype == jnp.float64
+        np.testing.assert_array_equal(value, want, err_msg=str(path))
+    back = fa.to_torch_state_dict(model)
+    assert set(back) == set(sd)
+    for key in sd:
+        np.testing.assert_array_equal(back[key], sd[key], err_msg=key)
+    fresh = getattr(tr, name)(*CASES[name]).double()
+    fresh.load_state_dict(tr.state_dict_from_numpy(back), strict=True)
+
+
+def test_nnx_attention_matches_its_torch_twin():
+    config = fa.AttentionConfig(d_model=16, num_heads=4, num_kv_heads=2, qk_norm=True, position="rope")
+    model = fnnx.Attention(config, rngs=nnx.Rngs(0))
+    torch.manual_seed(0)
+    twin = tr.twin(model).double()
+    fa.from_torch_state_dict(model, tr.state_dict_to_numpy(twin.state_dict()))
+    x = np.random.default_rng(0).standard_normal((2, 5, 16))
+    positions = np.broadcast_to(np.arange(5), (2, 5))
+    with torch.no_grad():
+        want = twin(torch.from_numpy(x), torch.from_numpy(positions.copy()).long()).numpy()
+    got = nnx.jit(lambda m, x, p: m(x, p))(model, jnp.asarray(x), jnp.asarray(positions))
+    assert_close(got, want, np.float64, "nnx Attention vs torch_ref.modern.Attention")

@@ -13,6 +13,10 @@ it, see :mod:`flax_attn.interop`), so checkpoints convert with ``flax_attn.from_
 
 Order of operations: project; QK-norm; rotate (RoPE); append to the cache; bias (ALiBi, T5);
 scaled dot product with soft-cap, masks and dropout; output projection.
+
+The computation is the pure stage :func:`attention_forward` of ``(config, params, inputs)``,
+with the parameter specs of :func:`attention_params`; :class:`Attention` (Linen) and
+:class:`flax_attn.nnx.Attention` (NNX) only hold the parameters and call it.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import numpy as np
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 from flax_attn.layers.cache import KVCache
-from flax_attn.layers.common import dropout_rng, linear
+from flax_attn.layers.common import (check_floating, declare, declared, dense, dropout_rng, linear_params,
+                                     rms_norm, scale_params, embed_params)
 from flax_attn.positional import alibi as alibi_lib
 from flax_attn.positional import rope as rope_lib
 from flax_attn.positional import t5 as t5_lib
@@ -125,14 +130,138 @@ def _batched_positions(name, positions, batch, length):
     return jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
 
 
+def attention_params(config: AttentionConfig) -> dict:
+    """The parameter specs of the layer (see :class:`flax_attn.layers.common.ParamSpec`):
+
+    ``q_proj`` ``(D, N*H)``, ``k_proj``/``v_proj`` ``(D, K*H)``, ``o_proj`` ``(N*H, D)`` (biases with
+    ``qkv_bias``/``out_bias``); with QK-norm ``q_norm``/``k_norm`` (``scale`` ``(H,)``); with T5 bias
+    ``rel_bias`` (``embedding`` ``(buckets, N)``).
+    """
+    c = config
+    N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
+    specs = {
+        "q_proj": linear_params(D, N * H, use_bias=c.qkv_bias),
+        "k_proj": linear_params(D, K * H, use_bias=c.qkv_bias),
+        "v_proj": linear_params(D, K * H, use_bias=c.qkv_bias),
+        "o_proj": linear_params(N * H, D, use_bias=c.out_bias),
+    }
+    if c.qk_norm:
+        specs["q_norm"], specs["k_norm"] = scale_params(H), scale_params(H)
+    if c.position == "t5":
+        specs["rel_bias"] = embed_params(c.t5_num_buckets, N)
+    return specs
+
+
+def _rope(config, x, positions):
+    c = config
+    return rope_lib.apply_rope(x, positions, theta=c.rope_theta, layout=c.rope_layout,
+                               rotary_dim=c.rotary_dim, scaling=c.rope_scaling)
+
+
+def attention_forward(config: AttentionConfig, params, x, positions=None, segment_ids=None, context=None,
+                      context_positions=None, context_segment_ids=None, mask=None, cache: Optional[KVCache] = None,
+                      *, dropout_rng=None, precision=None, implementation=None):
+    """The layer as a pure function: :class:`Attention`'s computation with ``params`` given.
+
+    Args:
+      config: the :class:`AttentionConfig`.
+      params: the parameter tree of :func:`attention_params` (``variables['params']`` of the Linen
+        layer, ``flax_attn.nnx.to_linen(layer)['params']`` of the NNX one).
+      x, positions, segment_ids, context, context_positions, context_segment_ids, mask, cache:
+        as in :class:`Attention` (``x`` ``(B, T, D)``, positions ``(B, T)``, ...).
+      dropout_rng: the PRNG key for dropout on the attention weights (``config.dropout``), or
+        None for no dropout.
+      precision, implementation: passed to the projections and :func:`dot_product_attention`.
+
+    Returns:
+      ``(B, T, D)``, or ``(output, new_cache)`` when a cache is given.
+    """
+    c = config
+    N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
+    _checks.check_rank("x", x, 3, "(B, T, D)")
+    check_floating("Attention", "x", x)
+    if x.shape[-1] != D:
+        raise ValueError(f"x has shape {x.shape}: its last dim must be d_model={D}")
+    B, T, _ = x.shape
+    cross = context is not None
+    if cross:
+        _checks.check_rank("context", context, 3, "(B, S, D)")
+        check_floating("Attention", "context", context)
+        if context.shape[0] != B or context.shape[-1] != D:
+            raise ValueError(f"context has shape {context.shape}, expected ({B}, S, {D}) for x of shape {x.shape}")
+        if cache is not None:
+            raise ValueError("cache is for self-attention; pass either context or cache")
+    source = context if cross else x
+    S_new = source.shape[1]
+    needs_positions = c.position != "none" or cache is not None
+    positions = _batched_positions("positions", positions, B, T)
+    if needs_positions and positions is None:
+        raise ValueError(f"positions are required with position='{c.position}'"
+                         f"{' and a cache' if cache is not None else ''}: pass positions of shape ({B}, {T})")
+    if cross:
+        context_positions = _batched_positions("context_positions", context_positions, B, S_new)
+        if c.position != "none" and context_positions is None:
+            raise ValueError(f"context_positions are required with position='{c.position}'")
+    else:
+        context_positions = positions
+    segment_ids = _batched_positions("segment_ids", segment_ids, B, T)
+    if cross:
+        context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S_new)
+        if (segment_ids is None) != (context_segment_ids is None):
+            raise ValueError("segment_ids and context_segment_ids must be given together")
+    else:
+        context_segment_ids = segment_ids
+
+    q = dense(params["q_proj"], x, precision).reshape(B, T, N, H)
+    k = dense(params["k_proj"], source, precision).reshape(B, S_new, K, H)
+    v = dense(params["v_proj"], source, precision).reshape(B, S_new, K, H)
+    if c.qk_norm:
+        q, k = rms_norm(params["q_norm"], q, c.qk_norm_eps), rms_norm(params["k_norm"], k, c.qk_norm_eps)
+    if c.position == "rope":
+        q, k = _rope(c, q, positions), _rope(c, k, context_positions)
+
+    key_positions, key_segments = context_positions, context_segment_ids
+    new_cache = None
+    if cache is not None:
+        if segment_ids is None:
+            segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)
+        cache.check_compatible(k, v, positions, segment_ids)
+        if cache.rolling and (c.sliding_window is None or cache.max_len < c.sliding_window - 1):
+            raise ValueError(f"a rolling cache of max_len={cache.max_len} is too small for "
+                             f"sliding_window={c.sliding_window}: use AttentionConfig.init_cache")
+        new_cache = cache.update(k, v, positions, segment_ids)
+        k = jnp.concatenate([cache.key.astype(k.dtype), k], axis=1)
+        v = jnp.concatenate([cache.value.astype(v.dtype), v], axis=1)
+        key_positions = jnp.concatenate([cache.positions, positions], axis=1)
+        key_segments = jnp.concatenate([cache.segment_ids, segment_ids], axis=1)
+
+    bias = None
+    if c.position == "alibi":
+        bias = alibi_lib.alibi_bias(alibi_lib.alibi_slopes(N), positions, key_positions)
+    elif c.position == "t5":
+        bias = t5_lib.t5_bias(params["rel_bias"]["embedding"], positions, key_positions, bidirectional=not c.causal,
+                              max_distance=c.t5_max_distance)
+    out = dot_product_attention(
+        q, k, v, bias, mask,
+        scale=c.scale, is_causal=c.causal, local_window_size=c.window,
+        query_positions=positions, key_positions=key_positions if positions is not None else None,
+        query_segment_ids=segment_ids if key_segments is not None else None, key_segment_ids=key_segments,
+        logit_softcap=c.logit_softcap, dropout_rate=c.dropout if dropout_rng is not None else 0.0,
+        dropout_rng=dropout_rng, precision=precision, implementation=implementation,
+    )
+    out = dense(params["o_proj"], out.reshape(B, T, N * H), precision)
+    return out if cache is None else (out, new_cache)
+
+
 class Attention(nn.Module):
     """Multi-head attention configured by :class:`AttentionConfig`.
 
-    Parameters: ``q_proj`` ``(D, N*H)``, ``k_proj``/``v_proj`` ``(D, K*H)``, ``o_proj`` ``(N*H, D)``;
-    with QK-norm ``q_norm``/``k_norm`` (scale ``(H,)``); with T5 bias ``rel_bias`` ``(buckets, N)``.
+    Parameters (:func:`attention_params`): ``q_proj`` ``(D, N*H)``, ``k_proj``/``v_proj``
+    ``(D, K*H)``, ``o_proj`` ``(N*H, D)``; with QK-norm ``q_norm``/``k_norm`` (scale ``(H,)``);
+    with T5 bias ``rel_bias`` ``(buckets, N)``. The NNX twin is :class:`flax_attn.nnx.Attention`.
 
     Call (arrays may be passed by position, in this order, or by name; options are keyword-only):
-      x: ``(B, T, D)``: the queries' sequence (and the keys', for self-attention).
+      x: floating ``(B, T, D)``: the queries' sequence (and the keys', for self-attention).
       positions: int ``(B, T)`` or ``(T,)``. Required unless ``position='none'`` and no cache.
       segment_ids: int ``(B, T)``: packed sequences attend only within their segment; negative
         ids mark padding (never attended to; such queries return zeros).
@@ -153,100 +282,13 @@ class Attention(nn.Module):
     implementation: Optional[str] = None
 
     def setup(self):
-        c = self.config
-        N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
-        make = lambda features, fan_in, bias: linear(features, fan_in, use_bias=bias, param_dtype=self.param_dtype,
-                                                     precision=self.precision)
-        self.q_proj = make(N * H, D, c.qkv_bias)
-        self.k_proj = make(K * H, D, c.qkv_bias)
-        self.v_proj = make(K * H, D, c.qkv_bias)
-        self.o_proj = make(D, N * H, c.out_bias)
-        if c.qk_norm:
-            self.q_norm = nn.RMSNorm(epsilon=c.qk_norm_eps, param_dtype=self.param_dtype)
-            self.k_norm = nn.RMSNorm(epsilon=c.qk_norm_eps, param_dtype=self.param_dtype)
-        if c.position == "t5":
-            self.rel_bias = nn.Embed(c.t5_num_buckets, N, embedding_init=nn.initializers.normal(1.0),
-                                     param_dtype=self.param_dtype)
-
-    def _rope(self, x, positions):
-        c = self.config
-        return rope_lib.apply_rope(x, positions, theta=c.rope_theta, layout=c.rope_layout,
-                                   rotary_dim=c.rotary_dim, scaling=c.rope_scaling)
+        declare(self, attention_params(self.config), self.param_dtype)
 
     def __call__(self, x, positions=None, segment_ids=None, context=None, context_positions=None,
                  context_segment_ids=None, mask=None, cache: Optional[KVCache] = None, *,
                  deterministic: Optional[bool] = None):
-        c = self.config
-        N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
-        _checks.check_rank("x", x, 3, "(B, T, D)")
-        if x.shape[-1] != D:
-            raise ValueError(f"x has shape {x.shape}: its last dim must be d_model={D}")
-        B, T, _ = x.shape
-        cross = context is not None
-        if cross:
-            _checks.check_rank("context", context, 3, "(B, S, D)")
-            if context.shape[0] != B or context.shape[-1] != D:
-                raise ValueError(f"context has shape {context.shape}, expected ({B}, S, {D}) for x of shape {x.shape}")
-            if cache is not None:
-                raise ValueError("cache is for self-attention; pass either context or cache")
-        source = context if cross else x
-        S_new = source.shape[1]
-        needs_positions = c.position != "none" or cache is not None
-        positions = _batched_positions("positions", positions, B, T)
-        if needs_positions and positions is None:
-            raise ValueError(f"positions are required with position='{c.position}'"
-                             f"{' and a cache' if cache is not None else ''}: pass positions of shape ({B}, {T})")
-        if cross:
-            context_positions = _batched_positions("context_positions", context_positions, B, S_new)
-            if c.position != "none" and context_positions is None:
-                raise ValueError(f"context_positions are required with position='{c.position}'")
-        else:
-            context_positions = positions
-        segment_ids = _batched_positions("segment_ids", segment_ids, B, T)
-        if cross:
-            context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S_new)
-            if (segment_ids is None) != (context_segment_ids is None):
-                raise ValueError("segment_ids and context_segment_ids must be given together")
-        else:
-            context_segment_ids = segment_ids
-
-        q = self.q_proj(x).reshape(B, T, N, H)
-        k = self.k_proj(source).reshape(B, S_new, K, H)
-        v = self.v_proj(source).reshape(B, S_new, K, H)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if c.position == "rope":
-            q, k = self._rope(q, positions), self._rope(k, context_positions)
-
-        key_positions, key_segments = context_positions, context_segment_ids
-        new_cache = None
-        if cache is not None:
-            if segment_ids is None:
-                segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)
-            cache.check_compatible(k, v, positions, segment_ids)
-            if cache.rolling and (c.sliding_window is None or cache.max_len < c.sliding_window - 1):
-                raise ValueError(f"a rolling cache of max_len={cache.max_len} is too small for "
-                                 f"sliding_window={c.sliding_window}: use AttentionConfig.init_cache")
-            new_cache = cache.update(k, v, positions, segment_ids)
-            k = jnp.concatenate([cache.key.astype(k.dtype), k], axis=1)
-            v = jnp.concatenate([cache.value.astype(v.dtype), v], axis=1)
-            key_positions = jnp.concatenate([cache.positions, positions], axis=1)
-            key_segments = jnp.concatenate([cache.segment_ids, segment_ids], axis=1)
-
-        bias = None
-        if c.position == "alibi":
-            bias = alibi_lib.alibi_bias(alibi_lib.alibi_slopes(N), positions, key_positions)
-        elif c.position == "t5":
-            bias = t5_lib.t5_bias(self.rel_bias.embedding, positions, key_positions, bidirectional=not c.causal,
-                                  max_distance=c.t5_max_distance)
-        rng = dropout_rng(self, c.dropout, deterministic, "Attention")
-        out = dot_product_attention(
-            q, k, v, bias, mask,
-            scale=c.scale, is_causal=c.causal, local_window_size=c.window,
-            query_positions=positions, key_positions=key_positions if positions is not None else None,
-            query_segment_ids=segment_ids if key_segments is not None else None, key_segment_ids=key_segments,
-            logit_softcap=c.logit_softcap, dropout_rate=c.dropout if rng is not None else 0.0, dropout_rng=rng,
-            precision=self.precision, implementation=self.implementation,
-        )
-        out = self.o_proj(out.reshape(B, T, N * H))
-        return out if cache is None else (out, new_cache)
+        params = declared(self, attention_params(self.config))
+        rng = dropout_rng(self, self.config.dropout, deterministic, "Attention")
+        return attention_forward(self.config, params, x, positions, segment_ids, context, context_positions,
+                                 context_segment_ids, mask, cache, dropout_rng=rng, precision=self.precision,
+                                 implementation=self.implementation)

@@ -13,6 +13,11 @@ A layer attends over the cached slots followed by the new keys, then writes the 
 the cache. A linear cache (the default) holds ``max_len`` tokens and raises on overflow. A
 rolling cache (``rolling=True``) overwrites its oldest slots: for sliding-window attention it
 needs only ``max_len >= window - 1`` slots, whatever the sequence length.
+
+Positions only move forward in a linear cache: new tokens whose positions are not after every
+cached one (padding, segment id < 0, excepted on both sides) raise ``ValueError`` (when the
+compiled program runs, under ``jax.jit``). To go back, say so: ``cache.truncate(length)``
+keeps the first ``length`` tokens (e.g. to rewind rejected draft tokens in speculative decoding).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_attn import _checks
 
@@ -82,6 +88,16 @@ class KVCache:
                 "KV cache overflow: {length} cached + {new} new tokens > max_len={max_len}; "
                 "create a larger cache (KVCache.create(max_len=...)) or a rolling one for a sliding window",
                 length=self.length, new=T, max_len=S)
+            # Positions go forward: each row's new (non-padding) positions after its cached ones.
+            # Not checked when the write overflows (that error comes first, and alone).
+            filled = (jnp.arange(S) < self.length)[None, :] & (self.segment_ids >= 0)
+            cached_max = jnp.max(jnp.where(filled, self.positions, jnp.iinfo(jnp.int32).min), axis=1)
+            new_min = jnp.min(jnp.where(segment_ids >= 0, positions, jnp.iinfo(jnp.int32).max), axis=1)
+            _checks.runtime_check(
+                jnp.all(new_min > cached_max) | (self.length + T > S),
+                "KV cache positions go backwards: new positions (smallest per row {new}) must come after the "
+                "cached ones (largest per row {cached}); to roll back, call cache.truncate(length) first",
+                new=new_min, cached=cached_max)
             write = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), self.length, axis=1)
         else:
             keep = min(T, S)  # of T new tokens only the last S can be held
@@ -92,3 +108,28 @@ class KVCache:
             positions=write(self.positions, positions), segment_ids=write(self.segment_ids, segment_ids),
             length=self.length + T,
         )
+
+    def truncate(self, length) -> "KVCache":
+        """The cache holding only its first ``length`` tokens (a linear cache): the rest emptied.
+
+        The explicit way to roll back (rewind rejected draft tokens, regenerate from a point):
+        afterwards new positions need only come after those of the tokens kept. ``length`` is
+        an int or an int32 scalar (traced under ``jax.jit``), ``0 <= length <= self.length``
+        (``ValueError`` otherwise, at run time under ``jax.jit``). A rolling cache has already
+        overwritten old tokens and cannot be rolled back: ``ValueError``.
+        """
+        if self.rolling:
+            raise ValueError("a rolling cache cannot be truncated: its slots are overwritten in a ring, so the "
+                             "first tokens are gone; keep a linear cache (rolling=False) to roll back")
+        if isinstance(length, bool) or not (isinstance(length, (int, np.integer)) or (
+                hasattr(length, "dtype") and jnp.issubdtype(length.dtype, jnp.integer) and jnp.ndim(length) == 0)):
+            raise TypeError(f"truncate(length): length must be an integer scalar, got {length!r}")
+        length = jnp.asarray(length, jnp.int32)
+        _checks.runtime_check((length >= 0) & (length <= self.length),
+                              "truncate(length={length}): length must lie in [0, {cached}], the tokens cached",
+                              length=length, cached=self.length)
+        keep = jnp.arange(self.max_len) < length
+        empty = lambda buf, fill: jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf,
+                                            jnp.asarray(fill, buf.dtype))
+        return self.replace(key=empty(self.key, 0), value=empty(self.value, 0), positions=empty(self.positions, 0),
+                            segment_ids=empty(self.segment_ids, -1), length=length)

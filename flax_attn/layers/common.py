@@ -1,12 +1,26 @@
-"""Shared building blocks for the modules: PyTorch-equivalent initialisation, dropout plumbing."""
+"""Shared building blocks for the modules: parameter specs and the pure stages that use them
+(PyTorch-equivalent initialisation), dropout plumbing, input checks.
+
+Every module is written once as a pure function of ``(params, inputs)`` (a *stage*, in the
+module's file). The Linen module declares its parameters from a nested dict of
+:class:`ParamSpec` (:func:`declare` in ``setup``, :func:`declared` in ``__call__``) and calls
+the stage; the NNX module (:mod:`flax_attn.nnx`) holds ``nnx.Param``s made from the same specs
+and calls the same stage. So both have one parameter tree, with the same names:
+
+    {'q_proj': {'kernel': (D, N*H), 'bias': (N*H,)}, 'q_norm': {'scale': (H,)}, 'W_query': (d_in, d_out)}
+
+A dict of specs is a submodule (``q_proj``); a spec at the top is a raw parameter (``W_query``).
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from flax_attn import _checks
 
@@ -20,46 +34,141 @@ def uniform_init(low: float, high: float):
     return init
 
 
-def linear(features: int, fan_in: int, *, use_bias: bool = True, param_dtype: Any = jnp.float32,
-           dtype: Any = None, precision: Any = None, name: Optional[str] = None) -> nn.Dense:
-    """``nn.Dense`` initialised like PyTorch's ``nn.Linear``: kernel and bias U(-1/sqrt(in), 1/sqrt(in)).
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its ``shape`` and ``init(key, shape, dtype) -> array``."""
 
-    Its ``kernel`` is ``(in, out)``: PyTorch's ``weight`` transposed.
-    """
+    shape: tuple
+    init: Callable
+
+
+def linear_params(fan_in: int, features: int, *, use_bias: bool = True) -> dict:
+    """Specs of an ``nn.Linear``-initialised projection: ``kernel`` ``(fan_in, features)`` and
+    ``bias`` ``(features,)``, both U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PyTorch's ``nn.Linear``)."""
     bound = 1.0 / math.sqrt(fan_in)
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        kernel_init=uniform_init(-bound, bound),
-        bias_init=uniform_init(-bound, bound),
-        dtype=dtype,
-        param_dtype=param_dtype,
-        precision=precision,
-        name=name,
-    )
+    specs = {"kernel": ParamSpec((fan_in, features), uniform_init(-bound, bound))}
+    if use_bias:
+        specs["bias"] = ParamSpec((features,), uniform_init(-bound, bound))
+    return specs
 
 
-def dropout_rng(module: nn.Module, rate: float, deterministic: Optional[bool], owner: str):
-    """The PRNG key for attention dropout, or None when dropout is off.
+def scale_params(features: int) -> dict:
+    """Specs of an RMSNorm: ``scale`` ``(features,)``, ones."""
+    return {"scale": ParamSpec((features,), nn.initializers.ones)}
 
-    ``deterministic`` must be given when ``rate > 0``: randomness is never implicit.
+
+def embed_params(num_embeddings: int, features: int) -> dict:
+    """Specs of an embedding table: ``embedding`` ``(num_embeddings, features)``, N(0, 1) (``nn.Embedding``)."""
+    return {"embedding": ParamSpec((num_embeddings, features), nn.initializers.normal(1.0))}
+
+
+def dense(p: Mapping, x, precision: Any = None):
+    """``x @ kernel + bias`` over the last axis: ``(..., in) -> (..., out)``; ``nn.Dense``'s numbers.
+
+    ``p``: ``{'kernel': (in, out)}`` and optionally ``'bias': (out,)``. Inputs and parameters are
+    promoted to one dtype (float32 inputs with float64 parameters compute in float64).
+    """
+    kernel, bias = p["kernel"], p.get("bias")
+    dtype = jnp.result_type(x, kernel, *(() if bias is None else (bias,)))
+    x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
+    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    if bias is not None:
+        y = y + jnp.reshape(jnp.asarray(bias, dtype), (1,) * (y.ndim - 1) + (-1,))
+    return y
+
+
+def rms_norm(p: Mapping, x, epsilon: float):
+    """RMS normalisation over the last axis with a learned ``scale`` (``nn.RMSNorm``'s numbers):
+    ``x / sqrt(mean(x^2) + eps) * scale``, the statistics in at least float32."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    var = jnp.mean(lax.square(x.astype(acc)), axis=-1, keepdims=True)
+    y = x * (lax.rsqrt(var + epsilon) * p["scale"])
+    return jnp.asarray(y, jnp.result_type(x, p["scale"]))
+
+
+def embed(p: Mapping, ids):
+    """Rows of ``p['embedding']`` ``(num, features)`` at integer ``ids``: ``ids.shape + (features,)``."""
+    return jnp.take(p["embedding"], ids, axis=0)
+
+
+class Declare(nn.Module):
+    """A Linen submodule that only declares parameters from specs and returns them as a dict.
+
+    ``specs``: ``((name, ParamSpec | nested specs), ...)``; nested specs become submodules of
+    that name, so the parameter tree mirrors the specs.
+    """
+
+    specs: tuple
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> dict:
+        out = {}
+        for name, spec in self.specs:
+            if isinstance(spec, ParamSpec):
+                out[name] = self.param(name, spec.init, spec.shape, self.param_dtype)
+            else:
+                out[name] = Declare(spec, self.param_dtype, name=name)()
+        return out
+
+    def rng(self, name: str):
+        """A PRNG key from this submodule's scope (``make_rng(name)``)."""
+        return self.make_rng(name)
+
+
+def _as_pairs(specs: Mapping) -> tuple:
+    return tuple((k, v if isinstance(v, ParamSpec) else _as_pairs(v)) for k, v in specs.items())
+
+
+def declare(module: nn.Module, specs: Mapping, param_dtype: Any) -> None:
+    """In a Linen ``setup``: declare ``specs`` on ``module`` (raw parameters and submodules by name)."""
+    for name, spec in specs.items():
+        if isinstance(spec, ParamSpec):
+            setattr(module, name, module.param(name, spec.init, spec.shape, param_dtype))
+        else:
+            setattr(module, name, Declare(_as_pairs(spec), param_dtype))
+
+
+def declared(module: nn.Module, specs: Mapping) -> dict:
+    """In a Linen ``__call__``: the parameters declared by :func:`declare`, as a nested dict."""
+    return {name: getattr(module, name) if isinstance(spec, ParamSpec) else getattr(module, name)()
+            for name, spec in specs.items()}
+
+
+def dropout_on(rate: float, deterministic: Optional[bool], owner: str, how: str = "rngs={'dropout': key}") -> bool:
+    """Whether dropout applies: ``rate > 0`` and ``deterministic`` is False.
+
+    ``deterministic`` must be given when ``rate > 0``: randomness is never implicit. ``how``
+    says where the key comes from (Linen: ``rngs={'dropout': key}`` in ``apply``).
     """
     _checks.check_rate(f"{owner} dropout", rate)
     if rate == 0.0:
-        return None
+        return False
     if deterministic is None:
         raise ValueError(
             f"{owner} has dropout={rate}: pass deterministic=True (no dropout) or "
-            f"deterministic=False with rngs={{'dropout': key}} to apply"
+            f"deterministic=False with {how} to apply"
         )
-    if deterministic:
-        return None
-    return module.make_rng("dropout")
+    return not deterministic
+
+
+def dropout_rng(module: nn.Module, rate: float, deterministic: Optional[bool], owner: str):
+    """The PRNG key for attention dropout in a Linen module, or None when dropout is off."""
+    return module.make_rng("dropout") if dropout_on(rate, deterministic, owner) else None
+
+
+def check_floating(owner: str, name: str, x) -> None:
+    """Layers take floating-point activations: an integer ``x`` (token ids?) is a ``TypeError``."""
+    dtype = _checks.dtype_of(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{owner} input {name} must be a floating-point array of shape {_checks.shape_of(x)}, "
+                        f"got dtype {dtype} (token ids? embed them first)")
 
 
 def check_tokens(owner: str, x, d_in: int, context_length: Optional[int] = None) -> None:
-    """``x`` must be ``(B, T, d_in)`` with ``T <= context_length``."""
+    """``x`` must be floating ``(B, T, d_in)`` with ``T <= context_length``."""
     _checks.check_rank(f"{owner} input x", x, 3, "(batch, num_tokens, d_in)")
+    check_floating(owner, "x", x)
     if x.shape[-1] != d_in:
         raise ValueError(f"{owner} input x has shape {x.shape}: its last dim must be d_in={d_in}")
     if context_length is not None and x.shape[1] > context_length:

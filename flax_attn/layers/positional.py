@@ -9,6 +9,27 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flax_attn import _checks
+from flax_attn.layers.common import declare, declared, embed, embed_params
+
+
+def learned_positions_params(num_positions: int, features: int) -> dict:
+    """Specs: ``wpe`` (``embedding`` ``(num_positions, features)``, N(0, 1) as ``nn.Embedding``)."""
+    _checks.check_positive_int("num_positions", num_positions)
+    _checks.check_positive_int("features", features)
+    return {"wpe": embed_params(num_positions, features)}
+
+
+def learned_positions_forward(num_positions: int, params, positions):
+    """The rows of ``params['wpe']['embedding']`` at integer ``positions`` (any shape):
+    ``positions.shape + (features,)``. A position outside ``[0, num_positions)`` raises
+    ``ValueError`` (at run time under ``jax.jit``); float positions raise ``TypeError``."""
+    _checks.check_integer("positions", positions)
+    positions = jnp.asarray(positions)
+    _checks.runtime_check(
+        (jnp.min(positions) >= 0) & (jnp.max(positions) < num_positions),
+        "positions must lie in [0, {n}), got min {lo} and max {hi}",
+        n=num_positions, lo=jnp.min(positions), hi=jnp.max(positions))
+    return embed(params["wpe"], positions)
 
 
 class LearnedPositionalEmbedding(nn.Module):
@@ -17,7 +38,9 @@ class LearnedPositionalEmbedding(nn.Module):
     Call with integer ``positions`` of any shape (offsets for decoding are just larger
     positions); returns ``positions.shape + (features,)``. A position outside
     ``[0, num_positions)`` raises ``ValueError`` (at run time under ``jax.jit``).
-    Its PyTorch twin is ``torch_ref.modern.LearnedPositionalEmbedding`` (``wpe`` an ``nn.Embedding``).
+    Its PyTorch twin is ``torch_ref.modern.LearnedPositionalEmbedding`` (``wpe`` an ``nn.Embedding``);
+    its NNX twin :class:`flax_attn.nnx.LearnedPositionalEmbedding`. The computation is
+    :func:`learned_positions_forward`.
     """
 
     num_positions: int
@@ -25,16 +48,8 @@ class LearnedPositionalEmbedding(nn.Module):
     param_dtype: object = jnp.float32
 
     def setup(self):
-        _checks.check_positive_int("num_positions", self.num_positions)
-        _checks.check_positive_int("features", self.features)
-        self.wpe = nn.Embed(self.num_positions, self.features, embedding_init=nn.initializers.normal(1.0),
-                            param_dtype=self.param_dtype)
+        declare(self, learned_positions_params(self.num_positions, self.features), self.param_dtype)
 
     def __call__(self, positions):
-        _checks.check_integer("positions", positions)
-        positions = jnp.asarray(positions)
-        _checks.runtime_check(
-            (jnp.min(positions) >= 0) & (jnp.max(positions) < self.num_positions),
-            "positions must lie in [0, {n}), got min {lo} and max {hi}",
-            n=self.num_positions, lo=jnp.min(positions), hi=jnp.max(positions))
-        return self.wpe(positions)
+        params = declared(self, learned_positions_params(self.num_positions, self.features))
+        return learned_positions_forward(self.num_positions, params, positions)

@@ -11,6 +11,11 @@ Usage::
     mha = MultiHeadAttention(d_in=768, d_out=768, context_length=1024, dropout=0.1, num_heads=12)
     variables = mha.init(jax.random.key(0), x, deterministic=True)         # x: (B, T, 768)
     y = mha.apply(variables, x, deterministic=False, rngs={"dropout": key})  # (B, T, 768)
+
+Each module's computation is a pure stage of ``(params, inputs)`` here (``self_attention_v1``,
+``self_attention_v2``, ``causal_attention``, ``multi_head_attention_wrapper``,
+``multi_head_attention``), with its parameter specs (``*_params``); the Linen modules below and
+their NNX twins in :mod:`flax_attn.nnx` only hold parameters and call them.
 """
 from __future__ import annotations
 
@@ -24,15 +29,122 @@ import numpy as np
 
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
-from flax_attn.layers.common import check_tokens, dropout_rng, linear, uniform_init
+from flax_attn.layers.common import (ParamSpec, check_floating, check_tokens, declare, declared, dense, dropout_on,
+                                     dropout_rng, linear_params, uniform_init)
 
 Dtype = Any
 
 
-def _check_sizes(module, *fields) -> None:
-    for field in fields:
-        _checks.check_positive_int(f"{type(module).__name__} {field}", getattr(module, field))
+def _check_sizes(owner: str, **sizes) -> None:
+    for field, value in sizes.items():
+        _checks.check_positive_int(f"{owner} {field}", value)
 
+
+def _check_unbatched_or_batched(owner: str, x, d_in: int) -> None:
+    _checks.check_rank(f"{owner} input x", x, (2, 3), "(num_tokens, d_in) or (batch, num_tokens, d_in)")
+    check_floating(owner, "x", x)
+    if x.shape[-1] != d_in:
+        raise ValueError(f"{owner} input x has shape {x.shape}: its last dim must be d_in={d_in}")
+
+
+# --------------------------------------------------------------------------- pure stages
+
+def self_attention_v1_params(d_in: int, d_out: int) -> dict:
+    """Specs: raw matrices ``W_query``, ``W_key``, ``W_value`` ``(d_in, d_out)``, uniform in [0, 1)."""
+    _check_sizes("SelfAttention_v1", d_in=d_in, d_out=d_out)
+    return {name: ParamSpec((d_in, d_out), uniform_init(0.0, 1.0)) for name in ("W_query", "W_key", "W_value")}
+
+
+def self_attention_v1(d_in: int, params, x, *, precision: Any = None):
+    """``softmax(x W_query (x W_key)^T / sqrt(d_out)) x W_value`` for ``x`` ``(T, d_in)`` or
+    ``(B, T, d_in)``; returns ``(T, d_out)`` or ``(B, T, d_out)``. ``params``: raw matrices."""
+    _check_unbatched_or_batched("SelfAttention_v1", x, d_in)
+    project = lambda w: jnp.matmul(x, w, precision=precision)[..., None, :]
+    out = dot_product_attention(project(params["W_query"]), project(params["W_key"]), project(params["W_value"]),
+                                precision=precision)
+    return out[..., 0, :]
+
+
+def self_attention_v2_params(d_in: int, d_out: int, qkv_bias: bool = False) -> dict:
+    """Specs: ``W_query``, ``W_key``, ``W_value`` linear layers ``d_in -> d_out`` (``nn.Linear`` init)."""
+    _check_sizes("SelfAttention_v2", d_in=d_in, d_out=d_out)
+    return {name: linear_params(d_in, d_out, use_bias=qkv_bias) for name in ("W_query", "W_key", "W_value")}
+
+
+def self_attention_v2(d_in: int, params, x, *, precision: Any = None):
+    """:func:`self_attention_v1` with linear layers: ``x`` ``(T, d_in)`` or ``(B, T, d_in)`` ->
+    ``(T, d_out)`` or ``(B, T, d_out)``."""
+    _check_unbatched_or_batched("SelfAttention_v2", x, d_in)
+    q, k, v = (dense(params[name], x, precision)[..., None, :] for name in ("W_query", "W_key", "W_value"))
+    return dot_product_attention(q, k, v, precision=precision)[..., 0, :]
+
+
+def causal_attention_params(d_in: int, d_out: int, context_length: int, dropout: float,
+                            qkv_bias: bool = False) -> dict:
+    """Specs of :class:`CausalAttention`: ``W_query``, ``W_key``, ``W_value`` linear ``d_in -> d_out``."""
+    _check_sizes("CausalAttention", d_in=d_in, d_out=d_out, context_length=context_length)
+    _checks.check_rate("CausalAttention dropout", dropout)
+    return {name: linear_params(d_in, d_out, use_bias=qkv_bias) for name in ("W_query", "W_key", "W_value")}
+
+
+def causal_attention(d_in: int, context_length: int, dropout: float, params, x, *, dropout_rng=None,
+                     precision: Any = None, owner: str = "CausalAttention"):
+    """One causal head: ``x`` ``(B, T, d_in)`` (``T <= context_length``) -> ``(B, T, d_out)``;
+    dropout at ``dropout`` on the weights when ``dropout_rng`` is a key (None: no dropout)."""
+    check_tokens(owner, x, d_in, context_length)
+    q, k, v = (dense(params[name], x, precision)[:, :, None, :] for name in ("W_query", "W_key", "W_value"))
+    out = dot_product_attention(q, k, v, is_causal=True, dropout_rate=dropout if dropout_rng is not None else 0.0,
+                                dropout_rng=dropout_rng, precision=precision)
+    return out[:, :, 0, :]
+
+
+def multi_head_attention_wrapper_params(d_in: int, d_out: int, context_length: int, dropout: float,
+                                        num_heads: int, qkv_bias: bool = False) -> dict:
+    """Specs: ``heads_0`` .. ``heads_{num_heads-1}``, each :func:`causal_attention_params`."""
+    _check_sizes("MultiHeadAttentionWrapper", d_in=d_in, d_out=d_out, context_length=context_length,
+                 num_heads=num_heads)
+    head = causal_attention_params(d_in, d_out, context_length, dropout, qkv_bias)
+    return {f"heads_{i}": head for i in range(num_heads)}
+
+
+def multi_head_attention_wrapper(d_in: int, context_length: int, dropout: float, num_heads: int, params, x, *,
+                                 dropout_rngs=None, precision: Any = None):
+    """``num_heads`` :func:`causal_attention` heads concatenated: ``(B, T, d_in)`` ->
+    ``(B, T, num_heads * d_out)``. ``dropout_rngs``: one key per head, or None (no dropout)."""
+    check_tokens("MultiHeadAttentionWrapper", x, d_in, context_length)
+    rngs = [None] * num_heads if dropout_rngs is None else list(dropout_rngs)
+    if len(rngs) != num_heads:
+        raise ValueError(f"dropout_rngs must hold one key per head ({num_heads}), got {len(rngs)}")
+    return jnp.concatenate([causal_attention(d_in, context_length, dropout, params[f"heads_{i}"], x,
+                                             dropout_rng=rngs[i], precision=precision)
+                            for i in range(num_heads)], axis=-1)
+
+
+def multi_head_attention_params(d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int,
+                                qkv_bias: bool = False) -> dict:
+    """Specs: ``W_query``, ``W_key``, ``W_value`` linear ``d_in -> d_out``; ``out_proj`` ``d_out -> d_out`` (biased)."""
+    _check_sizes("MultiHeadAttention", d_in=d_in, d_out=d_out, context_length=context_length, num_heads=num_heads)
+    _checks.check_divides("d_out", d_out, "num_heads", num_heads)
+    _checks.check_rate("MultiHeadAttention dropout", dropout)
+    specs = {name: linear_params(d_in, d_out, use_bias=qkv_bias) for name in ("W_query", "W_key", "W_value")}
+    specs["out_proj"] = linear_params(d_out, d_out, use_bias=True)
+    return specs
+
+
+def multi_head_attention(d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int, params, x,
+                         *, dropout_rng=None, precision: Any = None, implementation: Optional[str] = None):
+    """GPT-2's causal multi-head attention: ``(B, T, d_in)`` -> ``(B, T, d_out)``, heads of
+    ``d_out // num_heads``; dropout on the weights when ``dropout_rng`` is a key."""
+    check_tokens("MultiHeadAttention", x, d_in, context_length)
+    b, t, _ = x.shape
+    split = lambda y: y.reshape(b, t, num_heads, d_out // num_heads)
+    q, k, v = (split(dense(params[name], x, precision)) for name in ("W_query", "W_key", "W_value"))
+    ctx = dot_product_attention(q, k, v, is_causal=True, dropout_rate=dropout if dropout_rng is not None else 0.0,
+                                dropout_rng=dropout_rng, precision=precision, implementation=implementation)
+    return dense(params["out_proj"], ctx.reshape(b, t, d_out), precision)
+
+
+# --------------------------------------------------------------------------- Linen modules
 
 class SelfAttention_v1(nn.Module):
     """Self-attention with raw weight matrices ``(d_in, d_out)``, drawn uniform in [0, 1).
@@ -44,7 +156,7 @@ class SelfAttention_v1(nn.Module):
       d_out: query/key/value size.
 
     Call:
-      x: ``(T, d_in)`` as in the chapter, or batched ``(B, T, d_in)``.
+      x: floating ``(T, d_in)`` as in the chapter, or batched ``(B, T, d_in)``.
 
     Returns:
       ``(T, d_out)`` or ``(B, T, d_out)``. No mask: every token attends to every token.
@@ -55,20 +167,12 @@ class SelfAttention_v1(nn.Module):
     param_dtype: Dtype = jnp.float32
     precision: Any = None
 
-    @nn.compact
+    def setup(self):
+        declare(self, self_attention_v1_params(self.d_in, self.d_out), self.param_dtype)
+
     def __call__(self, x):
-        _check_sizes(self, "d_in", "d_out")
-        _checks.check_rank("SelfAttention_v1 input x", x, (2, 3), "(num_tokens, d_in) or (batch, num_tokens, d_in)")
-        if x.shape[-1] != self.d_in:
-            raise ValueError(f"SelfAttention_v1 input x has shape {x.shape}: its last dim must be d_in={self.d_in}")
-        shape = (self.d_in, self.d_out)
-        W_query = self.param("W_query", uniform_init(0.0, 1.0), shape, self.param_dtype)
-        W_key = self.param("W_key", uniform_init(0.0, 1.0), shape, self.param_dtype)
-        W_value = self.param("W_value", uniform_init(0.0, 1.0), shape, self.param_dtype)
-        project = lambda w: jnp.matmul(x, w, precision=self.precision)[..., None, :]
-        out = dot_product_attention(project(W_query), project(W_key), project(W_value),
-                                    precision=self.precision)
-        return out[..., 0, :]
+        params = declared(self, self_attention_v1_params(self.d_in, self.d_out))
+        return self_attention_v1(self.d_in, params, x, precision=self.precision)
 
 
 class SelfAttention_v2(nn.Module):
@@ -78,7 +182,7 @@ class SelfAttention_v2(nn.Module):
     ``{'W_query': v2_params['W_query']['kernel'], ...}`` loads v2's weights into v1.
 
     Call:
-      x: ``(T, d_in)`` or ``(B, T, d_in)``. Returns ``(T, d_out)`` or ``(B, T, d_out)``.
+      x: floating ``(T, d_in)`` or ``(B, T, d_in)``. Returns ``(T, d_out)`` or ``(B, T, d_out)``.
     """
 
     d_in: int
@@ -88,17 +192,11 @@ class SelfAttention_v2(nn.Module):
     precision: Any = None
 
     def setup(self):
-        _check_sizes(self, "d_in", "d_out")
-        make = lambda: linear(self.d_out, self.d_in, use_bias=self.qkv_bias,
-                              param_dtype=self.param_dtype, precision=self.precision)
-        self.W_query, self.W_key, self.W_value = make(), make(), make()
+        declare(self, self_attention_v2_params(self.d_in, self.d_out, self.qkv_bias), self.param_dtype)
 
     def __call__(self, x):
-        _checks.check_rank("SelfAttention_v2 input x", x, (2, 3), "(num_tokens, d_in) or (batch, num_tokens, d_in)")
-        if x.shape[-1] != self.d_in:
-            raise ValueError(f"SelfAttention_v2 input x has shape {x.shape}: its last dim must be d_in={self.d_in}")
-        q, k, v = (layer(x)[..., None, :] for layer in (self.W_query, self.W_key, self.W_value))
-        return dot_product_attention(q, k, v, precision=self.precision)[..., 0, :]
+        params = declared(self, self_attention_v2_params(self.d_in, self.d_out, self.qkv_bias))
+        return self_attention_v2(self.d_in, params, x, precision=self.precision)
 
 
 class CausalAttention(nn.Module):
@@ -113,7 +211,7 @@ class CausalAttention(nn.Module):
       qkv_bias: biases in the query/key/value projections.
 
     Call:
-      x: ``(B, T, d_in)`` with ``T <= context_length``.
+      x: floating ``(B, T, d_in)`` with ``T <= context_length``.
       deterministic: required when ``dropout > 0``; False applies dropout with
         ``rngs={'dropout': key}``.
 
@@ -129,27 +227,26 @@ class CausalAttention(nn.Module):
     param_dtype: Dtype = jnp.float32
     precision: Any = None
 
+    def _specs(self):
+        return causal_attention_params(self.d_in, self.d_out, self.context_length, self.dropout, self.qkv_bias)
+
     def setup(self):
-        _check_sizes(self, "d_in", "d_out", "context_length")
-        _checks.check_rate("CausalAttention dropout", self.dropout)
-        make = lambda: linear(self.d_out, self.d_in, use_bias=self.qkv_bias,
-                              param_dtype=self.param_dtype, precision=self.precision)
-        self.W_query, self.W_key, self.W_value = make(), make(), make()
+        declare(self, self._specs(), self.param_dtype)
 
     def __call__(self, x, *, deterministic: Optional[bool] = None):
-        check_tokens("CausalAttention", x, self.d_in, self.context_length)
+        params = declared(self, self._specs())
         rng = dropout_rng(self, self.dropout, deterministic, "CausalAttention")
-        q, k, v = (layer(x)[:, :, None, :] for layer in (self.W_query, self.W_key, self.W_value))
-        out = dot_product_attention(q, k, v, is_causal=True, dropout_rate=self.dropout if rng is not None else 0.0,
-                                    dropout_rng=rng, precision=self.precision)
-        return out[:, :, 0, :]
+        return causal_attention(self.d_in, self.context_length, self.dropout, params, x, dropout_rng=rng,
+                                precision=self.precision)
 
 
 class MultiHeadAttentionWrapper(nn.Module):
     """``num_heads`` independent :class:`CausalAttention` heads, outputs concatenated.
 
+    Parameters ``heads_0`` .. ``heads_{num_heads-1}``, each a :class:`CausalAttention`'s.
+
     Call:
-      x: ``(B, T, d_in)``; ``deterministic`` as in :class:`CausalAttention`.
+      x: floating ``(B, T, d_in)``; ``deterministic`` as in :class:`CausalAttention`.
 
     Returns:
       ``(B, T, num_heads * d_out)``.
@@ -164,17 +261,21 @@ class MultiHeadAttentionWrapper(nn.Module):
     param_dtype: Dtype = jnp.float32
     precision: Any = None
 
+    def _specs(self):
+        return multi_head_attention_wrapper_params(self.d_in, self.d_out, self.context_length, self.dropout,
+                                                   self.num_heads, self.qkv_bias)
+
     def setup(self):
-        _check_sizes(self, "d_in", "d_out", "context_length", "num_heads")
-        self.heads = [
-            CausalAttention(self.d_in, self.d_out, self.context_length, self.dropout, self.qkv_bias,
-                            param_dtype=self.param_dtype, precision=self.precision)
-            for _ in range(self.num_heads)
-        ]
+        declare(self, self._specs(), self.param_dtype)
 
     def __call__(self, x, *, deterministic: Optional[bool] = None):
-        check_tokens("MultiHeadAttentionWrapper", x, self.d_in, self.context_length)
-        return jnp.concatenate([head(x, deterministic=deterministic) for head in self.heads], axis=-1)
+        params = declared(self, self._specs())
+        rngs = None
+        if dropout_on(self.dropout, deterministic, "CausalAttention"):
+            # each head draws its key in its own scope, as a CausalAttention submodule would
+            rngs = [getattr(self, f"heads_{i}").rng("dropout") for i in range(self.num_heads)]
+        return multi_head_attention_wrapper(self.d_in, self.context_length, self.dropout, self.num_heads, params, x,
+                                            dropout_rngs=rngs, precision=self.precision)
 
 
 class MultiHeadAttention(nn.Module):
@@ -192,7 +293,8 @@ class MultiHeadAttention(nn.Module):
       implementation: passed to :func:`flax_attn.dot_product_attention`.
 
     Call:
-      x: ``(B, T, d_in)``, ``T <= context_length``; ``deterministic`` as in :class:`CausalAttention`.
+      x: floating ``(B, T, d_in)``, ``T <= context_length``; ``deterministic`` as in
+      :class:`CausalAttention`.
 
     Returns:
       ``(B, T, d_out)``.
@@ -211,32 +313,22 @@ class MultiHeadAttention(nn.Module):
     precision: Any = None
     implementation: Optional[str] = None
 
+    def _specs(self):
+        return multi_head_attention_params(self.d_in, self.d_out, self.context_length, self.dropout, self.num_heads,
+                                           self.qkv_bias)
+
     def setup(self):
-        _check_sizes(self, "d_in", "d_out", "context_length", "num_heads")
-        _checks.check_divides("d_out", self.d_out, "num_heads", self.num_heads)
-        _checks.check_rate("MultiHeadAttention dropout", self.dropout)
-        make = lambda bias, fan_in: linear(self.d_out, fan_in, use_bias=bias,
-                                           param_dtype=self.param_dtype, precision=self.precision)
-        self.W_query = make(self.qkv_bias, self.d_in)
-        self.W_key = make(self.qkv_bias, self.d_in)
-        self.W_value = make(self.qkv_bias, self.d_in)
-        self.out_proj = make(True, self.d_out)
+        declare(self, self._specs(), self.param_dtype)
 
     @property
     def head_dim(self) -> int:
         return self.d_out // self.num_heads
 
     def __call__(self, x, *, deterministic: Optional[bool] = None):
-        check_tokens("MultiHeadAttention", x, self.d_in, self.context_length)
+        params = declared(self, self._specs())
         rng = dropout_rng(self, self.dropout, deterministic, "MultiHeadAttention")
-        b, t, _ = x.shape
-        split = lambda y: y.reshape(b, t, self.num_heads, self.head_dim)
-        q, k, v = split(self.W_query(x)), split(self.W_key(x)), split(self.W_value(x))
-        ctx = dot_product_attention(q, k, v, is_causal=True,
-                                    dropout_rate=self.dropout if rng is not None else 0.0,
-                                    dropout_rng=rng, precision=self.precision,
-                                    implementation=self.implementation)
-        return self.out_proj(ctx.reshape(b, t, self.d_out))
+        return multi_head_attention(self.d_in, self.d_out, self.context_length, self.dropout, self.num_heads, params,
+                                    x, dropout_rng=rng, precision=self.precision, implementation=self.implementation)
 
 
 def count_parameters(variables) -> int:

@@ -7,6 +7,10 @@ that one in three ways:
 biased ``W_q, W_k, W_v, W_o`` projections of size ``d_model``; separate ``Q, K, V`` inputs
 (so ``K, V`` may come from another sequence, of another length: cross-attention); no built-in
 causal mask, an optional ``mask`` instead; and it returns the attention weights too.
+
+Its computation is the pure stage :func:`transformer_multi_head_attention` (parameter specs
+:func:`transformer_multi_head_attention_params`), shared with the NNX twin
+:class:`flax_attn.nnx.TransformerMultiHeadAttention`.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
-from flax_attn.layers.common import linear
+from flax_attn.layers.common import check_floating, declare, declared, dense, linear_params
 
 PrecisionLike = Any
 
@@ -71,6 +75,42 @@ def scaled_dot_product_attention(Q, K, V, mask=None, *, precision: PrecisionLike
     return out[:, :, 0, :].reshape(lead + (T, -1)), weights[:, 0].reshape(lead + (T, S))
 
 
+def transformer_multi_head_attention_params(d_model: int, num_heads: int) -> dict:
+    """Specs: ``W_q``, ``W_k``, ``W_v``, ``W_o``, each a biased linear ``d_model -> d_model``."""
+    _checks.check_positive_int("d_model", d_model)
+    _checks.check_positive_int("num_heads", num_heads)
+    _checks.check_divides("d_model", d_model, "num_heads", num_heads)
+    return {name: linear_params(d_model, d_model) for name in ("W_q", "W_k", "W_v", "W_o")}
+
+
+def transformer_multi_head_attention(d_model: int, num_heads: int, params, Q, K, V, mask=None, *,
+                                     precision: PrecisionLike = None):
+    """The notes' multi-head attention as a pure function of ``params``
+    (:func:`transformer_multi_head_attention_params`).
+
+    Args:
+      Q: floating ``(B, T, d_model)``; K, V: floating ``(B, S, d_model)``.
+      mask: boolean, True = may attend, broadcastable to ``(B, N, T, S)``.
+
+    Returns:
+      ``(output, weights)``: ``(B, T, d_model)`` and ``(B, N, T, S)``.
+    """
+    for name, x in (("Q", Q), ("K", K), ("V", V)):
+        _checks.check_rank(name, x, 3, "(batch, seq_len, d_model)")
+        check_floating("TransformerMultiHeadAttention", name, x)
+        if x.shape[-1] != d_model:
+            raise ValueError(f"{name} has shape {x.shape}: its last dim must be d_model={d_model}")
+    if K.shape != V.shape or K.shape[0] != Q.shape[0]:
+        raise ValueError(f"K and V must have one shape and Q the same batch: Q {Q.shape}, K {K.shape}, V {V.shape}")
+    h = d_model // num_heads
+    split = lambda y: y.reshape(y.shape[0], y.shape[1], num_heads, h)
+    out, weights = dot_product_attention(
+        split(dense(params["W_q"], Q, precision)), split(dense(params["W_k"], K, precision)),
+        split(dense(params["W_v"], V, precision)), mask=mask, return_weights=True, precision=precision,
+    )
+    return dense(params["W_o"], out.reshape(Q.shape[0], Q.shape[1], d_model), precision), weights
+
+
 class TransformerMultiHeadAttention(nn.Module):
     r"""Multi-head attention from "Attention Is All You Need" (Vaswani et al., 2017, 3.2.2).
 
@@ -83,7 +123,7 @@ class TransformerMultiHeadAttention(nn.Module):
       d_model: model size D. num_heads: N, must divide ``d_model``.
 
     Call:
-      Q: ``(B, T, d_model)``; K, V: ``(B, S, d_model)``.
+      Q: floating ``(B, T, d_model)``; K, V: floating ``(B, S, d_model)``.
       mask: boolean, True = may attend, broadcastable to ``(B, N, T, S)`` (e.g.
         ``create_causal_mask(T)`` for ``(T, T)``). The original takes 0/1 floats and blocks
         with ``-1e9`` where ``mask == 0``: a fully blocked row is a uniform average there and
@@ -99,24 +139,9 @@ class TransformerMultiHeadAttention(nn.Module):
     precision: Any = None
 
     def setup(self):
-        _checks.check_positive_int("d_model", self.d_model)
-        _checks.check_positive_int("num_heads", self.num_heads)
-        _checks.check_divides("d_model", self.d_model, "num_heads", self.num_heads)
-        make = lambda: linear(self.d_model, self.d_model, param_dtype=self.param_dtype,
-                              precision=self.precision)
-        self.W_q, self.W_k, self.W_v, self.W_o = make(), make(), make(), make()
+        declare(self, transformer_multi_head_attention_params(self.d_model, self.num_heads), self.param_dtype)
 
     def __call__(self, Q, K, V, mask=None):
-        for name, x in (("Q", Q), ("K", K), ("V", V)):
-            _checks.check_rank(name, x, 3, "(batch, seq_len, d_model)")
-            if x.shape[-1] != self.d_model:
-                raise ValueError(f"{name} has shape {x.shape}: its last dim must be d_model={self.d_model}")
-        if K.shape != V.shape or K.shape[0] != Q.shape[0]:
-            raise ValueError(f"K and V must have one shape and Q the same batch: Q {Q.shape}, K {K.shape}, V {V.shape}")
-        h = self.d_model // self.num_heads
-        split = lambda y: y.reshape(y.shape[0], y.shape[1], self.num_heads, h)
-        out, weights = dot_product_attention(
-            split(self.W_q(Q)), split(self.W_k(K)), split(self.W_v(V)), mask=mask,
-            return_weights=True, precision=self.precision,
-        )
-        return self.W_o(out.reshape(Q.shape[0], Q.shape[1], self.d_model)), weights
+        params = declared(self, transformer_multi_head_attention_params(self.d_model, self.num_heads))
+        return transformer_multi_head_attention(self.d_model, self.num_heads, params, Q, K, V, mask,
+                                                precision=self.precision)

@@ -145,3 +145,68 @@ def test_cache_is_a_pytree_and_create_validates():
     assert (np.asarray(cache.segment_ids) == -1).all()
     with pytest.raises(ValueError, match="max_len must be a positive integer"):
         fa.KVCache.create(batch=2, max_len=0, num_kv_heads=2, head_dim=4)
+
+
+# ---------------------------------------------------------------- rolling back, on purpose only
+
+def _filled(T=6, max_len=10):
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2}, T=T)
+    _, cache = layer.apply(params, x, positions, cache=config.init_cache(batch=2, max_len=max_len))
+    return config, layer, params, x, positions, cache
+
+
+def test_positions_that_go_backwards_raise():
+    config, layer, params, x, positions, cache = _filled()
+    message = r"KV cache positions go backwards: new positions \(smallest per row \[{}\]\) .* \(largest per row \[5, 5\]\)"
+    with pytest.raises(ValueError, match=message.format("3, 3") + ".*cache.truncate"):
+        layer.apply(params, x[:, :1], jnp.full((2, 1), 3), cache=cache)
+    with pytest.raises(ValueError, match=message.format("5, 6")):  # a repeated position is not after the cache
+        layer.apply(params, x[:, :1], jnp.array([[5], [6]]), cache=cache)
+    with pytest.raises(Exception, match=message.format("4, 4")):  # under jit: when the program runs
+        jax.block_until_ready(jax.jit(layer.apply)(params, x[:, :1], jnp.full((2, 1), 4), cache=cache))
+    out, _ = layer.apply(params, x[:, :1], jnp.full((2, 1), 9), cache=cache)  # a gap forward is fine
+    assert out.shape == (2, 1, D)
+
+
+def test_padding_positions_are_not_checked():
+    # left padding (segment id -1) may repeat positions; only real tokens must move forward
+    config, layer, params, x, _ = _setup({})
+    segments = jnp.array([[0, 0, 0], [-1, -1, 0]])
+    positions = jnp.array([[0, 1, 2], [7, 7, 0]])
+    _, cache = layer.apply(params, x[:, :3], positions, segments, cache=config.init_cache(batch=2, max_len=8))
+    out, cache = layer.apply(params, x[:, 3:4], jnp.array([[3], [1]]), jnp.zeros((2, 1), jnp.int32), cache=cache)
+    assert int(cache.length) == 4 and np.isfinite(np.asarray(out)).all()
+    with pytest.raises(ValueError, match="positions go backwards"):
+        layer.apply(params, x[:, 3:4], jnp.array([[3], [0]]), jnp.zeros((2, 1), jnp.int32), cache=cache)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_truncate_rolls_back_exactly(jit):
+    # Decode 6 tokens, roll back to 4 and decode 2 others: equal to a cache that only ever saw
+    # the first 4 (bit for bit) and to the full pass over the new sequence.
+    config, layer, params, x, positions, cache = _filled()
+    truncate = jax.jit(lambda c, n: c.truncate(n)) if jit else (lambda c, n: c.truncate(n))
+    rolled = truncate(cache, jnp.int32(4) if jit else 4)
+    _, fresh = layer.apply(params, x[:, :4], positions[:, :4], cache=config.init_cache(batch=2, max_len=10))
+    for a, b in zip(jax.tree_util.tree_leaves(rolled), jax.tree_util.tree_leaves(fresh)):
+        np.testing.assert_array_equal(a, b)
+    other = x[:, ::-1][:, :2]
+    out, rolled = layer.apply(params, other, positions[:, 4:6], cache=rolled)
+    full = layer.apply(params, jnp.concatenate([x[:, :4], other], axis=1), positions[:, :6])
+    assert_close(out, full[:, 4:], np.float32, "after rolling back")
+    assert int(rolled.length) == 6
+
+
+def test_truncate_checks_its_argument():
+    config, layer, params, x, positions, cache = _filled()
+    with pytest.raises(ValueError, match=r"truncate\(length=7\): length must lie in \[0, 6\], the tokens cached"):
+        cache.truncate(7)
+    with pytest.raises(Exception, match=r"truncate\(length=-1\): length must lie in \[0, 6\]"):
+        jax.block_until_ready(jax.jit(lambda c, n: c.truncate(n))(cache, jnp.int32(-1)))
+    with pytest.raises(TypeError, match="length must be an integer scalar, got 2.0"):
+        cache.truncate(2.0)
+    empty = cache.truncate(0)
+    assert int(empty.length) == 0 and (np.asarray(empty.segment_ids) == -1).all()
+    rolling = fa.AttentionConfig(d_model=D, num_heads=N, sliding_window=4).init_cache(batch=1, max_len=4, rolling=True)
+    with pytest.raises(ValueError, match="a rolling cache cannot be truncated"):
+        rolling.truncate(0)
