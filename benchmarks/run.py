@@ -409,15 +409,16 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    layer = [r for r in results["gpt2_layer"] if r["mode"] == "forward+backward"]
+    layer = [r for r in results.get("gpt2_layer", []) if r["mode"] == "forward+backward"]
     names = [r["layer"].replace(" (", "\n(") for r in layer]
     axes[0].barh(names, [r["seconds"] for r in layer], color=["C1" if "peer" in r["layer"] else "C0" for r in layer])
     axes[0].set_xlabel("seconds (forward+backward)")
     axes[0].set_title("GPT-2-small causal MHA layer")
     axes[0].tick_params(axis="y", labelsize=7)
     for ax, key, label in ((axes[1], "seconds", "seconds"), (axes[2], "peak_gib", "peak memory (GiB)")):
-        for impl in sorted({r["impl"] for r in results["length_sweep"]}):
-            pts = [r for r in results["length_sweep"]
+        sweep = results.get("length_sweep", [])
+        for impl in sorted({r["impl"] for r in sweep}):
+            pts = [r for r in sweep
                    if r["impl"] == impl and r["mode"] == "forward+backward" and r.get(key, 0) > 0]
             if pts:
                 ax.plot([r["T"] for r in pts], [r[key] for r in pts], marker="o", label=impl)
@@ -426,7 +427,8 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("sequence length T (1 x 8 heads x 64, causal)")
         ax.set_ylabel(label)
         ax.set_title(f"attention core, forward+backward: {label}")
-        ax.legend(fontsize=8)
+        if sweep:
+            ax.legend(fontsize=8)
     fig.suptitle(f"flax_attn benchmarks on {results['machine']['device']} ({results['machine']['dtype']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -438,24 +440,28 @@ def print_report(results: dict) -> None:
           f"{m['dtype']}; matmul peak measured {results['matmul_peak_tflops'] * 1000:.0f} GFLOP/s"
           + (f" (datasheet {m['datasheet_bf16_tflops']:.0f} TFLOP/s)" if m.get("datasheet_bf16_tflops") else ""))
     c = results["gpt2_layer_config"]
-    print(f"\nGPT-2-small causal multi-head attention layer (batch {c['batch']}, {c['context']} tokens, "
-          f"{c['d_model']} wide, {c['heads']} heads)")
-    flops = layer_flops(c)
-    print(f"{'layer':<58} {'forward':>10} {'ratio':>7} {'TFLOP/s':>8} {'fwd+bwd':>10} {'ratio':>7} {'TFLOP/s':>8}")
-    by = {}
-    for r in results["gpt2_layer"]:
-        by.setdefault(r["layer"], {})[r["mode"]] = r
-    for name, modes in by.items():
-        f, b = modes["forward"], modes["forward+backward"]
-        print(f"{name:<58} {f['seconds']:9.3f}s {f['ratio_to_peer']:6.2f}x {flops['forward'] / f['seconds'] / 1e12:8.3f} "
-              f"{b['seconds']:9.3f}s {b['ratio_to_peer']:6.2f}x {flops['forward+backward'] / b['seconds'] / 1e12:8.3f}")
-    print("\nAttention core, length sweep (1 sequence, 8 heads of 64, causal; FLOPs: causal half of QK^T and PV, "
-          "backward 2.5x forward)")
-    for r in results["length_sweep"]:
-        print("  " + _sweep_line(r, results["matmul_peak_tflops"]))
-    d = results["decoding"]
-    print(f"\nKV-cache decoding after a {d['prefix']}-token prefix: {d['cached_s_per_token'] * 1e3:.2f} ms/token cached, "
-          f"{d['recompute_s_per_token'] * 1e3:.2f} ms/token recomputing the prefix: {d['speedup']:.1f}x")
+    if "gpt2_layer" in results:
+        print(f"\nGPT-2-small causal multi-head attention layer (batch {c['batch']}, {c['context']} tokens, "
+              f"{c['d_model']} wide, {c['heads']} heads)")
+        flops = layer_flops(c)
+        print(f"{'layer':<58} {'forward':>10} {'ratio':>7} {'TFLOP/s':>8} {'fwd+bwd':>10} {'ratio':>7} {'TFLOP/s':>8}")
+        by = {}
+        for r in results["gpt2_layer"]:
+            by.setdefault(r["layer"], {})[r["mode"]] = r
+        for name, modes in by.items():
+            f, b = modes["forward"], modes["forward+backward"]
+            print(f"{name:<58} {f['seconds']:9.3f}s {f['ratio_to_peer']:6.2f}x "
+                  f"{flops['forward'] / f['seconds'] / 1e12:8.3f} {b['seconds']:9.3f}s {b['ratio_to_peer']:6.2f}x "
+                  f"{flops['forward+backward'] / b['seconds'] / 1e12:8.3f}")
+    if "length_sweep" in results:
+        print("\nAttention core, length sweep (1 sequence, 8 heads of 64, causal; FLOPs: causal half of QK^T and PV, "
+              "backward 2.5x forward)")
+        for r in results["length_sweep"]:
+            print("  " + _sweep_line(r, results["matmul_peak_tflops"]))
+    if "decoding" in results:
+        d = results["decoding"]
+        print(f"\nKV-cache decoding after a {d['prefix']}-token prefix: {d['cached_s_per_token'] * 1e3:.2f} ms/token "
+              f"cached, {d['recompute_s_per_token'] * 1e3:.2f} ms/token recomputing the prefix: {d['speedup']:.1f}x")
 
 
 def main(argv=None) -> None:
@@ -464,6 +470,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-length", type=int, default=SWEEP_LENGTHS[-1])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--parts", default="layer,sweep,decode",
+                        help="comma-separated subset of layer, sweep, decode (a partial run is written beside "
+                             "the full one, its parts in the file name)")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.point:
@@ -481,14 +490,22 @@ def main(argv=None) -> None:
     print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']})", flush=True)
     results = {"machine": info, "gpt2_layer_config": layer_cfg}
     results["matmul_peak_tflops"] = matmul_peak_tflops(gpu)
-    print("1. GPT-2-small layer ...", flush=True)
-    results["gpt2_layer"] = gpt2_layer(layer_cfg, repeats, gpu)
-    print("2. length sweep ...", flush=True)
-    results["length_sweep"] = length_sweep(lengths, impls, repeats, in_process=args.smoke)
-    print("3. KV-cache decoding ...", flush=True)
-    results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - {"layer", "sweep", "decode"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from layer, sweep, decode")
+    if "layer" in parts:
+        print("1. GPT-2-small layer ...", flush=True)
+        results["gpt2_layer"] = gpt2_layer(layer_cfg, repeats, gpu)
+    if "sweep" in parts:
+        print("2. length sweep ...", flush=True)
+        results["length_sweep"] = length_sweep(lengths, impls, repeats, in_process=args.smoke)
+    if "decode" in parts:
+        print("3. KV-cache decoding ...", flush=True)
+        results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (info["name"] + ("-smoke" if args.smoke else ""))
+    partial = "" if len(parts) == 3 else "-" + "-".join(parts)
+    stem = args.out / (info["name"] + ("-smoke" if args.smoke else "") + partial)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))
     print_report(results)
