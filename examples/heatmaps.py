@@ -50,14 +50,14 @@ def layer_weights(config: fa.AttentionConfig = GQA, seed: int = 0):
     positions = jnp.arange(T)[None]
     params = layer.init(jax.random.key(seed), x, positions)
     H = c.kv_head_dim
-    q = layer.apply(params, x, method=lambda m, x: m.q_proj(x)).reshape(1, T, c.num_heads, H)
-    k = layer.apply(params, x, method=lambda m, x: m.k_proj(x)).reshape(1, T, c.kv_heads, H)
-    v = layer.apply(params, x, method=lambda m, x: m.v_proj(x)).reshape(1, T, c.kv_heads, H)
+    q = (x @ params["params"]["q_proj"]["kernel"]).reshape(1, T, c.num_heads, H)
+    k = (x @ params["params"]["k_proj"]["kernel"]).reshape(1, T, c.kv_heads, H)
+    v = (x @ params["params"]["v_proj"]["kernel"]).reshape(1, T, c.kv_heads, H)
     rope = dict(theta=c.rope_theta, layout=c.rope_layout, rotary_dim=c.rotary_dim, scaling=c.rope_scaling)
     q, k = fa.apply_rope(q, positions, **rope), fa.apply_rope(k, positions, **rope)
     out, weights = fa.dot_product_attention(q, k, v, is_causal=True, local_window_size=(c.sliding_window - 1, 0),
                                             query_positions=positions, key_positions=positions, return_weights=True)
-    rebuilt = layer.apply(params, out.reshape(1, T, c.num_heads * H), method=lambda m, o: m.o_proj(o))
+    rebuilt = (out.reshape(1, T, c.num_heads * H) @ params["params"]["o_proj"]["kernel"])
     return np.asarray(weights), np.asarray(layer.apply(params, x, positions)), np.asarray(rebuilt)
 
 

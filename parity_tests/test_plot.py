@@ -67,13 +67,13 @@ def _sliding_window_gqa_weights(batch):
     x = jax.random.normal(jax.random.key(1), (batch, T, 16), jnp.float64)
     positions = jnp.broadcast_to(jnp.arange(T), (batch, T))
     params = layer.init(jax.random.key(0), x, positions)
-    q = layer.apply(params, x, method=lambda m, x: m.q_proj(x)).reshape(batch, T, N, H)
-    k = layer.apply(params, x, method=lambda m, x: m.k_proj(x)).reshape(batch, T, K, H)
-    v = layer.apply(params, x, method=lambda m, x: m.v_proj(x)).reshape(batch, T, K, H)
+    q = (x @ params["params"]["q_proj"]["kernel"]).reshape(batch, T, N, H)
+    k = (x @ params["params"]["k_proj"]["kernel"]).reshape(batch, T, K, H)
+    v = (x @ params["params"]["v_proj"]["kernel"]).reshape(batch, T, K, H)
     q, k = fa.apply_rope(q, positions, layout=config.rope_layout), fa.apply_rope(k, positions, layout=config.rope_layout)
     out, weights = fa.dot_product_attention(q, k, v, is_causal=True, local_window_size=(2, 0), query_positions=positions,
                                             key_positions=positions, return_weights=True)
-    rebuilt = layer.apply(params, out.reshape(batch, T, N * H), method=lambda m, o: m.o_proj(o))
+    rebuilt = (out.reshape(batch, T, N * H) @ params["params"]["o_proj"]["kernel"])
     np.testing.assert_allclose(rebuilt, layer.apply(params, x, positions), rtol=0, atol=1e-12)
     return np.asarray(weights)
 
