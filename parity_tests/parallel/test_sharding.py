@@ -1,0 +1,337 @@
+"""Sharded layers (flax_attn.parallel.sharding) held to one device.
+
+A child process with 8 virtual CPU devices (mesh 2 x 4: 'data' x 'model') shards every flax_attn
+Linen module's parameters by :func:`partition_specs` (heads over 'model') and its inputs over the
+batch ('data'), runs it under jax.jit, and measures outputs and gradients (to the inputs and every
+parameter) against the same module on one device (max|a - b| / max|b|; a gradient that is zero
+analytically, like a key bias's, against the largest parameter gradient). It records how each
+parameter was split (the shape of one device's shard). A sharded KV cache (batch over 'data',
+key/value heads over 'model') decodes greedily and must give one device's tokens and outputs.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+TOL = {"float64": 1e-12, "float32": 1e-5}
+MODULES = ["Attention gqa-rope-window-qknorm-biases-packed", "Attention t5 kv-replicated", "Attention fsdp",
+           "MultiHeadAttention", "TransformerMultiHeadAttention cross-masked", "SelfAttention_v1", "SelfAttention_v2",
+           "CausalAttention", "MultiHeadAttentionWrapper"]
+RUNS = [(m, "float64") for m in MODULES] + [(MODULES[0], "float32"), ("MultiHeadAttention", "float32")]
+
+
+# ------------------------------------------------------------------------------------ child
+
+
+def _module(name, dtype):
+    """(module, inputs (positional), batch-split flags, kwargs) for one module."""
+    import jax.numpy as jnp
+
+    import flax_attn as fa
+
+    pd = jnp.dtype(dtype)
+    rng = np.random.default_rng(0)
+    B, T, D = 4, 16, 64
+    x = rng.standard_normal((B, T, D)).astype(dtype)
+    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    seg = np.repeat([[0, 1], [0, 0], [2, 3], [1, -1]], [10, 6], axis=1).astype(np.int32)
+    if name.startswith("Attention gqa") or name == "Attention fsdp":
+        c = fa.AttentionConfig(d_model=D, num_heads=8, num_kv_heads=4, position="rope", sliding_window=12,
+                               qk_norm=True, qkv_bias=True, out_bias=True)
+        return fa.Attention(c, param_dtype=pd), (x, pos, seg), {}
+    if name.startswith("Attention t5"):
+        c = fa.AttentionConfig(d_model=D, num_heads=8, num_kv_heads=2, position="t5", causal=False)
+        return fa.Attention(c, param_dtype=pd), (x, pos), {}
+    if name == "MultiHeadAttention":
+        return fa.MultiHeadAttention(32, D, T, 0.0, 8, qkv_bias=True, param_dtype=pd), (x[..., :32],), \
+            {"deterministic": True}
+    if name.startswith("TransformerMultiHeadAttention"):
+        ctx = rng.standard_normal((B, 12, D)).astype(dtype)
+        mask = rng.random((B, 1, T, 12)) < 0.8
+        return fa.TransformerMultiHeadAttention(D, 8, param_dtype=pd), (x, ctx, ctx, mask), {}
+    small = x[..., :32]
+    if name == "SelfAttention_v1":
+        return fa.SelfAttention_v1(32, 16, param_dtype=pd), (small,), {}
+    if name == "SelfAttention_v2":
+        return fa.SelfAttention_v2(32, 16, qkv_bias=True, param_dtype=pd), (small,), {}
+    if name == "CausalAttention":
+        return fa.CausalAttention(32, 16, T, 0.0, param_dtype=pd), (small,), {"deterministic": True}
+    if name == "MultiHeadAttentionWrapper":
+        return fa.MultiHeadAttentionWrapper(32, 8, T, 0.0, 4, param_dtype=pd), (small,), {"deterministic": True}
+    raise ValueError(name)
+
+
+def _grad_error(grads, refs, tol):
+    """Worst relative error over a tree; a reference gradient that is zero analytically (at most
+    ``tol`` times the largest, e.g. a key bias's: it shifts whole rows of logits) is measured
+    against the largest gradient instead, as torch_ref.compare does."""
+    import jax
+
+    from torch_ref.compare import max_rel_error
+
+    flat, flat0 = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(refs)
+    assert len(flat) == len(flat0)
+    scale = max(float(np.max(np.abs(np.asarray(r)))) for r in flat0)
+    errs = [max_rel_error(g, r) if np.max(np.abs(np.asarray(r))) > tol * scale
+            else float(np.max(np.abs(np.asarray(g) - np.asarray(r))) / scale) for g, r in zip(flat, flat0)]
+    return max(errs)
+
+
+def _measure_module(name, dtype):
+    import jax
+    import jax.numpy as jnp
+    from flax import traverse_util
+
+    from flax_attn import parallel as fp
+    from torch_ref.compare import max_rel_error
+
+    mesh = fp.make_mesh((2, 4), ("data", "model"))
+    module, inputs, kwargs = _module(name, dtype)
+    variables = module.init(jax.random.key(0), *inputs, **kwargs)
+    specs = fp.partition_specs(module, variables, mesh=mesh, fsdp=name.endswith("fsdp"))
+    sharded = fp.shard_params(variables, specs, mesh)
+    sharded_inputs = fp.shard_batch(inputs, mesh)
+    rng = np.random.default_rng(1)
+    out_shape = jax.eval_shape(lambda v, *a: module.apply(v, *a, **kwargs), variables, *inputs)
+    cots = jax.tree_util.tree_map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), out_shape)
+    floats = tuple(i for i, a in enumerate(inputs) if np.issubdtype(np.asarray(a).dtype, np.floating))
+
+    def loss(v, *args):
+        out = module.apply(v, *args, **kwargs)
+        total = sum(jnp.sum(jnp.sin(o) * c) for o, c in zip(jax.tree_util.tree_leaves(out),
+                                                              jax.tree_util.tree_leaves(cots)))
+        return total, out
+
+    run = jax.jit(jax.value_and_grad(loss, (0,) + tuple(i + 1 for i in floats), has_aux=True))
+    (_, out), grads = run(sharded, *sharded_inputs)
+    (_, ref), ref_grads = run(variables, *inputs)  # one device: nothing sharded
+    split = {"/".join(k): [list(x.shape), list(x.addressable_shards[0].data.shape)]
+             for k, x in traverse_util.flatten_dict(sharded["params"]).items()}
+    return {"out": max(max_rel_error(o, r) for o, r in zip(jax.tree_util.tree_leaves(out),
+                                                           jax.tree_util.tree_leaves(ref))),
+            "params_grads": _grad_error(grads[0], ref_grads[0], TOL[dtype]),
+            "inputs_grads": _grad_error(grads[1:], ref_grads[1:], TOL[dtype]),
+            "param_grads_sharding": sorted({str(g.sharding.spec) for g in jax.tree_util.tree_leaves(grads[0])}),
+            "split": split}
+
+
+def _measure_cache():
+    """Greedy decoding with a sharded KV cache against one device: prefill 8 tokens, 6 steps."""
+    import jax
+    import jax.numpy as jnp
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+    from torch_ref.compare import max_rel_error
+
+    mesh = fp.make_mesh((2, 4), ("data", "model"))
+    B, D, V, prefix, steps = 4, 64, 50, 8, 6
+    config = fa.AttentionConfig(d_model=D, num_heads=8, num_kv_heads=4, position="rope", qk_norm=True)
+    layer = fa.Attention(config, param_dtype=jnp.float64)
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((V, D))                    # token embeddings, tied read-out
+    tokens = rng.integers(0, V, (B, prefix))
+    variables = layer.init(jax.random.key(0), table[tokens], np.broadcast_to(np.arange(prefix), (B, prefix)))
+
+    def step(variables, cache, tokens, positions):
+        y, cache = layer.apply(variables, jnp.asarray(table)[tokens], positions, cache=cache)
+        logits = y[:, -1] @ jnp.asarray(table).T
+        return jnp.argmax(logits, -1), y, cache
+
+    def decode(variables, cache, place, jitted):
+        out, toks = [], []
+        nxt, y, cache = jitted(variables, cache, place(tokens), place(np.broadcast_to(np.arange(prefix), (B, prefix))))
+        out.append(y)
+        for t in range(steps):
+            toks.append(nxt)
+            nxt, y, cache = jitted(variables, cache, place(nxt[:, None]), place(np.full((B, 1), prefix + t)))
+            out.append(y)
+        toks.append(nxt)
+        return np.stack([np.asarray(t) for t in toks], 1), out, cache
+
+    cache = config.init_cache(batch=B, max_len=32, dtype=jnp.float64)
+    one_tokens, one_out, _ = decode(variables, cache, lambda a: a, jax.jit(step))
+
+    cache_specs = fp.cache_partition_specs(cache, data_axis="data", model_axis="model")
+    param_specs = fp.partition_specs(layer, variables, mesh=mesh)
+    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    sharded_step = jax.jit(step, out_shardings=(batch, batch, fp.named_shardings(cache_specs, mesh)))
+    place = lambda a: jax.device_put(np.asarray(a), batch)
+    tokens_, out, final = decode(fp.shard_params(variables, param_specs, mesh),
+                                 fp.shard_params(cache, cache_specs, mesh), place, sharded_step)
+    return {"same_tokens": bool(np.array_equal(tokens_, one_tokens)),
+            "tokens": tokens_.tolist(),
+            "out": max(max_rel_error(a, b) for a, b in zip(out, one_out)),
+            "cache_key_spec": str(final.key.sharding.spec),
+            "cache_key_shard": list(final.key.addressable_shards[0].data.shape),
+            "cache_key_shape": list(final.key.shape),
+            "cache_positions_spec": str(final.positions.sharding.spec)}
+
+
+def _measure_errors():
+    import jax
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    mesh = fp.make_mesh((2, 4), ("data", "model"))
+    layer = fa.MultiHeadAttention(32, 30, 16, 0.0, 6)      # 6 heads of 5: 30 features, not divisible by 4
+    variables = jax.eval_shape(lambda: layer.init(jax.random.key(0), np.zeros((2, 16, 32)), deterministic=True))
+    messages = {}
+    try:
+        fp.shard_params(variables, fp.partition_specs(layer, variables), mesh)
+    except ValueError as e:
+        messages["shard_params"] = str(e)
+    try:
+        fp.partition_specs(layer, variables, mesh=mesh)
+    except ValueError as e:
+        messages["partition_specs"] = str(e)
+    return messages
+
+
+def child():
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_default_matmul_precision", "highest")
+    assert jax.device_count() == 8, jax.devices()
+    return {"modules": {f"{m}|{d}": _measure_module(m, d) for m, d in RUNS}, "cache": _measure_cache(),
+            "errors": _measure_errors()}
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+@pytest.fixture(scope="module")
+def measured():
+    from . import run_child
+
+    return run_child(__file__)
+
+
+@pytest.mark.parametrize("name, dtype", RUNS, ids=[f"{m}-{d}" for m, d in RUNS])
+def test_sharded_module_matches_one_device(measured, name, dtype):
+    r = measured["modules"][f"{name}|{dtype}"]
+    tol = TOL[dtype]
+    errors = {k: r[k] for k in ("out", "params_grads", "inputs_grads")}
+    assert all(v <= tol for v in errors.values()), f"{name} {dtype}: {errors} (tolerance {tol:.0e})"
+
+
+# (global shape, one device's shard) of the parameters that split; every other one is whole
+SPLIT = {
+    "Attention gqa-rope-window-qknorm-biases-packed": {
+        "q_proj/kernel": [[64, 64], [64, 16]], "q_proj/bias": [[64], [16]], "k_proj/kernel": [[64, 32], [64, 8]],
+        "k_proj/bias": [[32], [8]], "v_proj/kernel": [[64, 32], [64, 8]], "v_proj/bias": [[32], [8]],
+        "o_proj/kernel": [[64, 64], [16, 64]]},
+    # 2 key/value heads cannot split over 4 devices: k_proj and v_proj stay whole
+    "Attention t5 kv-replicated": {"q_proj/kernel": [[64, 64], [64, 16]], "o_proj/kernel": [[64, 64], [16, 64]],
+                                   "rel_bias/embedding": [[32, 8], [32, 2]]},
+    # fsdp: the other dimension over 'data' as well
+    "Attention fsdp": {
+        "q_proj/kernel": [[64, 64], [32, 16]], "q_proj/bias": [[64], [16]], "k_proj/kernel": [[64, 32], [32, 8]],
+        "k_proj/bias": [[32], [8]], "v_proj/kernel": [[64, 32], [32, 8]], "v_proj/bias": [[32], [8]],
+        "o_proj/kernel": [[64, 64], [16, 32]]},
+    "MultiHeadAttention": {
+        "W_query/kernel": [[32, 64], [32, 16]], "W_query/bias": [[64], [16]], "W_key/kernel": [[32, 64], [32, 16]],
+        "W_key/bias": [[64], [16]], "W_value/kernel": [[32, 64], [32, 16]], "W_value/bias": [[64], [16]],
+        "out_proj/kernel": [[64, 64], [16, 64]]},
+    "TransformerMultiHeadAttention cross-masked": {
+        "W_q/kernel": [[64, 64], [64, 16]], "W_q/bias": [[64], [16]], "W_k/kernel": [[64, 64], [64, 16]],
+        "W_k/bias": [[64], [16]], "W_v/kernel": [[64, 64], [64, 16]], "W_v/bias": [[64], [16]],
+        "W_o/kernel": [[64, 64], [16, 64]]},
+}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_parameters_are_split_by_heads(measured, name):
+    split = measured["modules"][f"{name}|float64"]["split"]
+    expected = SPLIT.get(name, {})
+    actually_split = {k: v for k, v in split.items() if v[0] != v[1]}
+    assert actually_split == expected
+    assert len(split) > len(expected) or not expected  # the rest exist and stay whole
+
+
+def test_gradients_come_back_split_like_the_parameters(measured):
+    specs = measured["modules"][f"{MODULES[0]}|float64"]["param_grads_sharding"]
+    assert "PartitionSpec(None, 'model')" in specs or "P(None, 'model')" in specs, specs
+
+
+def test_sharded_kv_cache_decodes_the_same_tokens(measured):
+    r = measured["cache"]
+    assert r["same_tokens"], r["tokens"]
+    assert r["out"] <= TOL["float64"], r["out"]
+    # batch over 'data' (4 / 2), key/value heads over 'model' (4 / 4), the sequence whole
+    assert r["cache_key_spec"].replace("PartitionSpec", "P") == "P('data', None, 'model', None)"
+    assert r["cache_key_shard"] == [2, 32, 1, 8] and r["cache_key_shape"] == [4, 32, 4, 8]
+    assert r["cache_positions_spec"].replace("PartitionSpec", "P") == "P('data', None)"
+
+
+def test_errors_name_the_parameter_and_shapes(measured):
+    m = measured["errors"]
+    assert re.search(r"\['params'\]\['W_(query|key|value)'\]\['kernel'\] of shape \(32, 30\): dim 1 \(30\) is not "
+                     r"divisible by the 4 devices of mesh axis 'model'", m["shard_params"]), m["shard_params"]
+    assert "MultiHeadAttention has N=6 query heads, not divisible by the 4 devices of mesh axis 'model'" \
+           in m["partition_specs"]
+
+
+# in this process: no devices needed
+
+
+def test_partition_specs_refuses_what_it_does_not_know():
+    import jax
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    layer = fa.MultiHeadAttention(32, 64, 16, 0.0, 8)
+    variables = jax.eval_shape(lambda: layer.init(jax.random.key(0), np.zeros((2, 16, 32)), deterministic=True))
+    wrong = {"params": {**variables["params"], "W_extra": variables["params"]["W_query"]}}
+    with pytest.raises(ValueError, match=r"no entries \['W_extra'\]"):
+        fp.partition_specs(layer, wrong)
+    with pytest.raises(TypeError, match="knows flax_attn's modules"):
+        fp.partition_specs(object(), variables)
+    explicit = jax.sharding.AbstractMesh((2, 4), ("data", "model"), (jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match=r"mesh axes \['model'\] are Explicit"):
+        fp.partition_specs(layer, variables, mesh=explicit)
+    with pytest.raises(ValueError, match="data_axis and model_axis must differ"):
+        fp.partition_specs(layer, variables, data_axis="x", model_axis="x")
+
+
+def test_partition_specs_of_nnx_twin_and_unwrapped_params():
+    import jax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    config = fa.AttentionConfig(d_model=32, num_heads=4, num_kv_heads=2)
+    linen = fa.Attention(config)
+    variables = jax.eval_shape(lambda: linen.init(jax.random.key(0), np.zeros((1, 4, 32)), np.zeros((1, 4), int)))
+    twin = fa.nnx.Attention(config, rngs=nnx.Rngs(0))
+    specs = fp.partition_specs(linen, variables)
+    assert fp.partition_specs(twin, fa.nnx.to_linen(twin)) == specs
+    assert fp.partition_specs(linen, variables["params"]) == specs["params"]
+    assert specs["params"]["k_proj"]["kernel"] == P(None, "model")
+    assert specs["params"]["o_proj"]["kernel"] == P("model", None)
+
+
+def test_cache_specs():
+    from jax.sharding import PartitionSpec as P
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    cache = fa.AttentionConfig(d_model=32, num_heads=4, num_kv_heads=2).init_cache(batch=2, max_len=8)
+    specs = fp.cache_partition_specs(cache, model_axis=None)
+    assert specs.key == P("data", None, None, None) and specs.length == P() and specs.rolling == cache.rolling
+    with pytest.raises(TypeError, match="takes a KVCache"):
+        fp.cache_partition_specs({"key": 1})
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    print(json.dumps(child()))
