@@ -25,7 +25,7 @@ Every public name is importable from here; ``flax_attn.rope``, ``flax_attn.alibi
 """
 from flax_attn.positional import alibi, rope, t5
 from flax_attn.textbook import basics
-from flax_attn import checkpoint, core, interop, nnx, plot
+from flax_attn import checkpoint, core, hf, interop, nnx, plot
 from flax_attn.layers.flax_hook import flax_attention_fn
 from flax_attn.core import dot_product_attention, dropout, masked_softmax
 from flax_attn.core import mask as masks
@@ -87,6 +87,7 @@ __all__ = [
     "dropout",
     "from_torch_state_dict",
     "flax_attention_fn",
+    "hf",
     "interop",
     "nnx",
     "plot",

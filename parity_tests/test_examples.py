@@ -12,6 +12,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
     ("chapter_walkthrough.py", "22 of 22 printed numbers reproduced."),
     ("tiny_decoder.py", "same tokens: True"),
     ("nnx_decoder.py", "same tokens: True"),
+    ("hf_checkpoint.py", "checkpoint round trip: OK"),
 ])
 def test_example_runs(script, expect):
     result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)

@@ -6,8 +6,9 @@ where there is a choice), so that parity tests compare two implementations, not 
 
 * RoPE ``rotate_half`` as in GPT-NeoX / Hugging Face Llama (``x cos + rotate_half(x) sin``);
   ``interleaved`` as in Meta's Llama and GPT-J, with complex multiplication of dimension pairs.
-* RoPE frequency scalings (linear, NTK-aware, Llama 3, YaRN) as stretches of each pair's
-  wavelength, vectorised, from the papers' descriptions.
+* RoPE frequency scalings (linear, NTK-aware static and dynamic, Llama 3, YaRN with DeepSeek's
+  mscale, LongRoPE) as stretches of each pair's wavelength, vectorised, from the papers'
+  descriptions; the length-dependent ones read the length off the positions.
 * ALiBi slopes as MPT computes them (``2^ceil(log2 N)`` slopes, odd ones first).
 * T5 buckets as the T5 code computes them.
 * Grouped-query attention by repeating key/value heads (``repeat_interleave``).
@@ -24,12 +25,14 @@ import torch.nn as nn
 
 # --------------------------------------------------------------------------- RoPE
 
-def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None):
+def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None,
+                  seq_len: Optional[int] = None):
     """Inverse frequencies (float64, ``rotary_dim // 2``) and the attention factor (YaRN's mscale).
 
     Written from the published descriptions in terms of wavelengths: pair i of a head turns once
     every ``wavelength_i = 2 pi theta^(2i/d)`` tokens, and each scaling stretches some wavelengths.
-    A stretch of s is a frequency divided by s, i.e. positions interpolated by s.
+    A stretch of s is a frequency divided by s, i.e. positions interpolated by s. ``seq_len``
+    (positions seen, the largest plus one) matters for 'dynamic' and 'longrope' only.
     """
     d = rotary_dim
     pair = torch.arange(d // 2, dtype=torch.float64)
@@ -47,6 +50,26 @@ def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, scaling: Optional[dic
         if d < 4:
             raise ValueError(f"NTK-aware scaling needs rotary_dim >= 4 (its exponent is d / (d - 2)), got {d}")
         stretch = s ** (2 * pair / (d - 2))
+    elif kind == "dynamic":
+        # Dynamic NTK (emozilla/bloc97): below the original context L nothing changes; a sequence of
+        # n > L positions uses NTK-aware scaling with the effective factor s n / L - (s - 1), which is
+        # 1 at n = L and grows linearly. Under NTK-aware scaling with factor a, pair i's wavelength
+        # grows by a^(2i / (d - 2)).
+        if d < 4:
+            raise ValueError(f"NTK-aware scaling needs rotary_dim >= 4 (its exponent is d / (d - 2)), got {d}")
+        L = scaling["original_max_position_embeddings"]
+        n = L if seq_len is None else max(int(seq_len), L)
+        effective = s * n / L - (s - 1)
+        stretch = effective ** (2 * pair / (d - 2))
+    elif kind == "longrope":
+        # LongRoPE (Ding et al., 2024; Phi-3): a searched stretch per pair, one set for sequences
+        # within the original context L ("short") and one beyond it ("long"); the logits are
+        # tempered by sqrt(1 + ln(s) / ln(L)) through cos and sin, s = the extension ratio.
+        L = scaling["original_max_position_embeddings"]
+        chosen = "long_factor" if seq_len is not None and seq_len > L else "short_factor"
+        stretch = torch.tensor([float(f) for f in scaling[chosen]], dtype=torch.float64)
+        given = scaling.get("attention_factor")
+        mscale = given if given is not None else (math.sqrt(1 + math.log(s) / math.log(L)) if s > 1 else 1.0)
     elif kind == "llama3":
         # Llama 3.1: with L the original context, wavelengths longer than L / low_freq_factor are
         # stretched by s, those shorter than L / high_freq_factor kept; in between the frequency is
@@ -68,14 +91,28 @@ def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, scaling: Optional[dic
         def crossing(rotations):  # solve L / (2 pi theta^(2i/d)) = rotations for i
             return d / 2 * math.log(L / (2 * math.pi * rotations), theta)
 
-        first = max(math.floor(crossing(beta_fast)), 0)
-        last = min(math.ceil(crossing(beta_slow)), d - 1)
+        first, last = crossing(beta_fast), crossing(beta_slow)
+        if scaling.get("truncate", True):  # whole dims, rounded outwards (gpt-oss keeps fractions)
+            first, last = math.floor(first), math.ceil(last)
+        first, last = max(first, 0), min(last, d - 1)
         width = (last - first) or 0.001  # a ramp of zero width would divide by zero
         interpolated = ((pair - first) / width).clamp(0.0, 1.0)
         stretch = 1.0 / (interpolated / s + (1 - interpolated))
         # The attention temperature: cos and sin scaled by 0.1 ln(s) + 1 unless given.
+        # DeepSeek-V2/V3 give two weights a, b instead: the factor is t(a) / t(b) with
+        # t(w) = 1 + 0.1 w ln(s) (their softmax scale later multiplies by t(b)^2 on its own).
         given = scaling.get("attention_factor")
-        mscale = given if given is not None else (1.0 + 0.1 * math.log(s) if s > 1 else 1.0)
+
+        def temperature(weight):
+            return 1.0 + 0.1 * weight * math.log(s) if s > 1 else 1.0
+
+        a, b = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if given is not None:
+            mscale = given
+        elif a and b:
+            mscale = temperature(a) / temperature(b)
+        else:
+            mscale = temperature(1.0)
     else:
         raise ValueError(f"unknown RoPE scaling kind {kind!r}")
     return 2 * math.pi / (wavelength * stretch), mscale
@@ -90,7 +127,8 @@ def apply_rope(x, positions, *, theta=10000.0, layout="rotate_half", rotary_dim=
     """Rotate ``x`` ``(B, T, N, H)`` by ``positions`` ``(B, T)``; see flax_attn.positional.rope for the conventions."""
     rd = x.shape[-1] if rotary_dim is None else rotary_dim
     compute = torch.promote_types(x.dtype, torch.float32)
-    inv_freq, mscale = rope_inv_freq(rd, theta, scaling)
+    seq_len = int(positions.max()) + 1 if scaling and scaling["kind"] in ("dynamic", "longrope") else None
+    inv_freq, mscale = rope_inv_freq(rd, theta, scaling, seq_len)
     angles = positions.to(compute)[..., None] * inv_freq.to(compute)  # (B, T, rd/2)
     x_rot, x_pass = x[..., :rd].to(compute), x[..., rd:]
     if layout == "rotate_half":

@@ -1,8 +1,9 @@
 """Positional encodings as pure functions of explicit integer positions (no parameters).
 
 * :mod:`~flax_attn.positional.rope`: rotary position embedding, both layouts, partial rotary,
-  frequency scalings (:class:`RopeScaling`: linear, NTK-aware, Llama 3, YaRN);
-* :mod:`~flax_attn.positional.alibi`: ALiBi's per-head linear biases;
+  frequency scalings (:class:`RopeScaling`: linear, NTK-aware static and dynamic, Llama 3, YaRN
+  with DeepSeek's mscale, LongRoPE);
+* :mod:`~flax_attn.positional.alibi`: ALiBi's per-head linear biases (in the slopes' dtype);
 * :mod:`~flax_attn.positional.t5`: T5's bucketed relative position bias (the table is a
   parameter of the layer that owns it);
 * :mod:`~flax_attn.positional.sinusoidal`: the Transformer's sinusoidal encodings.

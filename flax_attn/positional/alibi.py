@@ -30,17 +30,26 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.asarray(slopes, np.float64)
 
 
-def alibi_bias(slopes, query_positions, key_positions, *, dtype=jnp.float32):
+def alibi_bias(slopes, query_positions, key_positions, *, dtype=None):
     """``bias[..., n, t, s] = -slopes[n] * |query_positions[t] - key_positions[s]|``.
 
     Args:
       slopes: ``(N,)``.
       query_positions: integer ``(T,)`` or ``(B, T)``; key_positions: ``(S,)`` or ``(B, S)``.
+      dtype: of the bias; default the slopes' floating dtype, at least float32 (the float64
+        slopes of :func:`alibi_slopes` give a float64 bias when JAX has x64 enabled, float32
+        otherwise). ``dot_product_attention`` adds it in its accumulation dtype, so a float32
+        layer is unaffected while a float64 layer keeps its slopes exact (slopes that are not
+        powers of two lose 4e-9 relative in float32).
 
     Returns:
       ``(N, T, S)`` or ``(B, N, T, S)``, to pass as ``bias`` to ``dot_product_attention``.
     """
     check_position_pair("query_positions", query_positions, "key_positions", key_positions)
     _checks.check_rank("slopes", slopes, 1, "(N,)")
+    if dtype is None:
+        dtype = jnp.promote_types(jnp.asarray(slopes).dtype, jnp.float32)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            dtype = jnp.float32
     distance = jnp.abs(query_positions[..., :, None] - key_positions[..., None, :]).astype(dtype)
     return -jnp.asarray(slopes, dtype)[:, None, None] * distance[..., None, :, :]

@@ -1,9 +1,12 @@
 """ALiBi (flax_attn.positional.alibi): slopes by hand and against MPT's recipe, the bias literal."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
+import torch
 
 import flax_attn as fa
 import torch_ref as tr
+from conftest import assert_close, run_parity
 
 tm = tr.modern
 
@@ -26,3 +29,30 @@ def test_alibi_bias_literal():
     bias = fa.alibi_bias(np.array([0.5, 0.25]), jnp.arange(3), jnp.arange(3))
     np.testing.assert_allclose(bias[0], -0.5 * np.abs(np.subtract.outer(np.arange(3), np.arange(3))))
     np.testing.assert_allclose(bias[1, 2], [-0.5, -0.25, 0.0])
+
+
+def test_alibi_bias_follows_the_slopes_dtype():
+    # 3, 5 and 6 heads still have power-of-two slopes (3: 2^-4, 2^-8, 2^-2); 12 and 24 heads do
+    # not (12: 2^-0.5, 2^-1.5, ...): those lose digits in float32 (9e-9 relative in the layer).
+    slopes = fa.alibi_slopes(3)
+    pos = jnp.arange(4)
+    assert fa.alibi_bias(slopes, pos, pos).dtype == jnp.float64  # x64 is on in this suite
+    assert fa.alibi_bias(slopes.astype(np.float32), pos, pos).dtype == jnp.float32
+    assert fa.alibi_bias(slopes, pos, pos, dtype=jnp.float32).dtype == jnp.float32
+    slopes = fa.alibi_slopes(12)  # 2^-0.5 etc.
+    exact = -slopes[:, None, None] * np.abs(np.subtract.outer(np.arange(4), np.arange(4)))[None]
+    assert_close(fa.alibi_bias(slopes, pos, pos), exact, np.float64, "float64 bias")
+    np.testing.assert_array_equal(fa.alibi_bias(slopes, pos, pos), exact)
+
+
+@pytest.mark.parametrize("heads", [3, 5, 6, 12, 24])
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_layer_parity_float64_heads_not_a_power_of_two(heads, causal):
+    # The layer in float64 against its torch twin at 1e-12, head counts that are not powers of two
+    # (12 and 24 also have slopes that are not: a float32 bias gave 9e-9 at 12 heads).
+    torch.manual_seed(heads)
+    layer = fa.Attention(fa.AttentionConfig(d_model=2 * heads, num_heads=heads, position="alibi", causal=causal))
+    rng = np.random.default_rng(heads)
+    x = rng.standard_normal((2, 7, 2 * heads))
+    positions = np.arange(7)[None] + np.array([[0], [40]])  # large offsets make the slope error visible
+    run_parity(tr.twin(layer), layer, (x, positions), np.float64, flax_kwargs={"deterministic": True})

@@ -19,6 +19,18 @@ SCALINGS = {
     "llama3": {"kind": "llama3", "factor": 8.0, "original_max_position_embeddings": 64,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0},
     "yarn": {"kind": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn-deepseek": {"kind": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                      "mscale_all_dim": 0.5, "beta_fast": 32.0, "beta_slow": 1.0},
+    "yarn-untruncated": {"kind": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "truncate": False},
+}
+
+# Scalings whose frequencies depend on the sequence length (max position + 1): original context 64.
+LONGROPE_SHORT = (1.0, 1.25, 2.0, 3.5)
+LONGROPE_LONG = (1.5, 3.0, 7.0, 16.0)
+LENGTH_SCALINGS = {
+    "dynamic": {"kind": "dynamic", "factor": 4.0, "original_max_position_embeddings": 64},
+    "longrope": {"kind": "longrope", "factor": 8.0, "original_max_position_embeddings": 64,
+                 "short_factor": LONGROPE_SHORT, "long_factor": LONGROPE_LONG},
 }
 
 
@@ -147,3 +159,97 @@ def test_apply_rope_parity(scaling, rotary_dim, layout, dtype):
     kw = dict(layout=layout, rotary_dim=rotary_dim, scaling=SCALINGS[scaling], theta=500.0)
     run_function_parity(lambda a, p: tm.apply_rope(a, p, **kw), lambda a, p: fa.apply_rope(a, p, **kw), (x, pos), dtype,
                         eager=scaling == "none")
+
+
+# ----------------------------------------------------------------------------- length-dependent scalings
+
+def test_yarn_deepseek_attention_factor_by_hand():
+    # DeepSeek-V3: factor 40, mscale 1, mscale_all_dim 1 -> the two temperatures cancel: factor 1.
+    base = {"kind": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}
+    _, f = fa.rope_frequencies(64, scaling={**base, "mscale": 1.0, "mscale_all_dim": 1.0})
+    assert f == 1.0
+    _, f = fa.rope_frequencies(64, scaling={**base, "mscale": 1.0, "mscale_all_dim": 0.5})
+    assert abs(f - (1 + 0.1 * math.log(40)) / (1 + 0.05 * math.log(40))) < 1e-15
+    _, f = fa.rope_frequencies(64, scaling={**base, "mscale": 1.0})  # one weight alone: the plain temperature
+    assert abs(f - (1 + 0.1 * math.log(40))) < 1e-15
+
+
+def test_yarn_untruncated_ramp_edges_are_fractional():
+    # d = 16, theta 10000, original 64: the crossings for 32 and 1 rotations are fractional dims.
+    d, L = 16, 64
+    crossing = lambda r: d * math.log(L / (r * 2 * math.pi)) / (2 * math.log(10000.0))
+    low, high = crossing(32.0), crossing(1.0)
+    assert low < 0 < high < d - 1 and high != math.ceil(high)
+    freqs, _ = fa.rope_frequencies(d, scaling={"kind": "yarn", "factor": 8.0, "original_max_position_embeddings": L,
+                                               "truncate": False})
+    base, _ = fa.rope_frequencies(d)
+    ramp = np.clip((np.arange(d // 2) - 0.0) / (high - 0.0), 0, 1)  # low clipped to 0
+    np.testing.assert_allclose(freqs, base / 8 * ramp + base * (1 - ramp), rtol=1e-14)
+
+
+def test_dynamic_ntk_frequencies_by_hand():
+    # d = 8, factor 2, original 64: unchanged up to 64 positions; at 128, base 10000 * (2*2 - 1)^(8/6).
+    scaling = {"kind": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+    base, _ = fa.rope_frequencies(8)
+    for n in (None, 1, 64):
+        same, f = fa.rope_frequencies(8, scaling=scaling, seq_len=n)
+        np.testing.assert_array_equal(same, base)
+        assert f == 1.0
+    grown, _ = fa.rope_frequencies(8, scaling=scaling, seq_len=128)
+    theta = 10000 * 3.0 ** (8 / 6)
+    np.testing.assert_allclose(grown, [1.0, theta ** -0.25, theta ** -0.5, theta ** -0.75], rtol=1e-14)
+
+
+def test_longrope_frequencies_by_hand():
+    scaling = LENGTH_SCALINGS["longrope"]
+    base, _ = fa.rope_frequencies(8)
+    short, f = fa.rope_frequencies(8, scaling=scaling, seq_len=64)
+    np.testing.assert_allclose(short, base / np.array(LONGROPE_SHORT), rtol=1e-15)
+    assert abs(f - math.sqrt(1 + math.log(8) / math.log(64))) < 1e-15  # sqrt(1.5)
+    long, f2 = fa.rope_frequencies(8, scaling=scaling, seq_len=65)
+    np.testing.assert_allclose(long, base / np.array(LONGROPE_LONG), rtol=1e-15)
+    assert f2 == f
+    with pytest.raises(ValueError, match="longrope factors have 4 entries; rotary_dim=4 needs 2"):
+        fa.rope_frequencies(4, scaling=scaling)
+    with pytest.raises(ValueError, match="longrope needs long_factor"):
+        fa.RopeScaling(kind="longrope", factor=2.0, original_max_position_embeddings=8, short_factor=(1.0,))
+
+
+@pytest.mark.parametrize("scaling", sorted(LENGTH_SCALINGS))
+@pytest.mark.parametrize("seq_len", [None, 10, 64, 65, 300])
+def test_length_dependent_frequencies_parity(scaling, seq_len):
+    ours, f1 = fa.rope_frequencies(8, theta=500.0, scaling=LENGTH_SCALINGS[scaling], seq_len=seq_len)
+    theirs, f2 = tm.rope_inv_freq(8, 500.0, LENGTH_SCALINGS[scaling], seq_len)
+    assert_close(ours, theirs.numpy(), np.float64, "inverse frequencies")
+    assert abs(f1 - f2) < 1e-15
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
+@pytest.mark.parametrize("last", [20, 64, 1000])
+@pytest.mark.parametrize("scaling", sorted(LENGTH_SCALINGS))
+def test_apply_rope_length_dependent_parity(scaling, last, layout, dtype):
+    # The largest position decides: within the original 64 positions (20, 64) or beyond (1000).
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 5, 2, 8))
+    pos = np.stack([np.arange(5), np.arange(5) + last - 4])
+    kw = dict(layout=layout, scaling=LENGTH_SCALINGS[scaling], theta=500.0)
+    run_function_parity(lambda a, p: tm.apply_rope(a, p, **kw), lambda a, p: fa.apply_rope(a, p, **kw), (x, pos), dtype)
+
+
+@pytest.mark.parametrize("scaling", sorted(LENGTH_SCALINGS))
+def test_length_dependent_rope_uses_the_largest_position_under_jit(scaling):
+    # One row beyond the original context switches the whole batch, jitted or not.
+    import jax
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 1, 8)))
+    pos = jnp.array([[0, 1, 2], [200, 201, 202]])
+    f = jax.jit(lambda a, p: fa.apply_rope(a, p, scaling=LENGTH_SCALINGS[scaling]))
+    together = f(x, pos)[0]
+    alone = f(x[:1], pos[:1])[0]
+    inv_long, af = fa.rope_frequencies(8, scaling=LENGTH_SCALINGS[scaling], seq_len=203)
+    inv_short, _ = fa.rope_frequencies(8, scaling=LENGTH_SCALINGS[scaling])
+    expect = lambda inv: np.asarray(x[0, :, 0, :4]) * (np.cos(np.arange(3)[:, None] * inv) * af) - \
+        np.asarray(x[0, :, 0, 4:]) * (np.sin(np.arange(3)[:, None] * inv) * af)
+    np.testing.assert_allclose(together[:, 0, :4], expect(inv_long), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(alone[:, 0, :4], expect(inv_short), rtol=1e-12, atol=1e-14)
+    assert not np.allclose(together, alone)

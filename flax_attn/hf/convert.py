@@ -1,0 +1,316 @@
+"""Hugging Face checkpoints <-> flax_attn attention layers (NumPy only; no torch, no transformers).
+
+:func:`load_attention` reads a ``config.json`` dict and the weights (a safetensors file or a
+mapping of names to arrays) and returns every attention layer as an :class:`HFAttention`:
+its :class:`~flax_attn.AttentionConfig` and its Flax params. :func:`to_hf_weights` writes
+params back under the Hugging Face names. Both are exact: a fused projection is split and
+re-fused by index (:func:`fused_indices`), ``nn.Linear`` weights ``(out, in)`` become kernels
+``(in, out)`` (``Conv1D`` weights are already ``(in, out)``), Gemma's ``1 + w`` norm weights
+become ``scale = 1 + w``, a projection without bias next to biased ones (Whisper's ``k_proj``)
+gets a zero bias, and T5's relative bias table (layer 0 of each stack) is given to each layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from flax_attn.hf import families as fam
+from flax_attn.layers.attention import AttentionConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class HFAttention:
+    """One attention layer of a Hugging Face checkpoint.
+
+    Attributes:
+      name: the HF module path, e.g. ``'model.layers.3.self_attn'``.
+      stack: ``'decoder'`` or ``'encoder'``; kind: ``'self'`` or ``'cross'``; index: the layer.
+      config: the layer's :class:`AttentionConfig` (layers of one model may differ: Gemma's
+        sliding and global layers, GPT-2's ``scale_attn_by_inverse_layer_idx``).
+      params: ``{'q_proj': {'kernel': (D, N*H), 'bias': (N*H,)}, ...}`` NumPy arrays, for
+        ``fa.Attention(config).apply({'params': params}, ...)``.
+    """
+
+    name: str
+    stack: str
+    kind: str
+    index: int
+    config: AttentionConfig
+    params: dict
+
+
+WeightsLike = Union[str, os.PathLike, Mapping[str, Any]]
+
+
+def read_weights(weights: WeightsLike) -> dict:
+    """Names -> NumPy arrays from a safetensors file (or a directory of ``*.safetensors``
+    shards) or a mapping of names to array-likes."""
+    if isinstance(weights, Mapping):
+        return {k: np.asarray(v) for k, v in weights.items()}
+    path = os.fspath(weights)
+    try:
+        from safetensors.numpy import load_file  # optional: pip install safetensors
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("reading a safetensors file needs the safetensors package (pip install safetensors), "
+                          "or pass a mapping of names to NumPy arrays") from e
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        out = {}
+        for f in files:
+            out.update(load_file(os.path.join(path, f)))
+        return out
+    return dict(load_file(path))
+
+
+def fused_indices(layout: str, N: int, K: int, H: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices into a fused projection's output features of its query, key and value features.
+
+    ``layout`` is one of :data:`flax_attn.hf.families.FUSED_LAYOUTS`; the fused projection has
+    ``(N + 2K) * H`` outputs. Splitting takes these indices; fusing scatters to them.
+    """
+    total = (N + 2 * K) * H
+    idx = np.arange(total)
+    if layout == "concat":
+        return idx[:N * H], idx[N * H:(N + K) * H], idx[(N + K) * H:]
+    if layout == "per_head":
+        if N != K:
+            raise ValueError(f"the per_head layout has one key/value head per query head, got N={N}, K={K}")
+        g = idx.reshape(N, 3, H)
+        return g[:, 0].ravel(), g[:, 1].ravel(), g[:, 2].ravel()
+    if layout == "per_group":
+        G = N // K
+        g = idx.reshape(K, G + 2, H)
+        return g[:, :G].ravel(), g[:, G].ravel(), g[:, G + 1].ravel()
+    raise ValueError(f"unknown fused layout {layout!r}; known: {fam.FUSED_LAYOUTS}")
+
+
+def _root(family: fam.Family, names) -> str:
+    """The checkpoint's prefix before the family's module paths ('' , 'model.', ...)."""
+    stack = family.stacks[0]
+    first = family.fused or family.q
+    suffix = stack.template.format(i=0) + f".{first}.weight"
+    roots = sorted({n[: -len(suffix)] for n in names if n.endswith(suffix)
+                    and (len(n) == len(suffix) or n[-len(suffix) - 1] == ".")}, key=len)
+    if not roots:
+        sample = sorted(names)[:5]
+        raise KeyError(f"no '{suffix}' (with any prefix) in the weights: is this a {family.name} checkpoint? "
+                       f"first names: {sample}")
+    return roots[0]
+
+
+def _layer_count(root, template, names) -> int:
+    pattern = re.compile(re.escape(root + template).replace(r"\{i\}", r"(\d+)") + r"\.")
+    found = {int(m.group(1)) for n in names for m in [pattern.match(n)] if m}
+    if not found:
+        return 0
+    if found != set(range(max(found) + 1)):
+        raise KeyError(f"layers of {root + template} are not numbered 0..{max(found)}: {sorted(found)}")
+    return max(found) + 1
+
+
+class _Taker:
+    """Takes weights by name, remembering which were used (so leftovers can be reported)."""
+
+    def __init__(self, weights):
+        self.weights, self.used = weights, set()
+
+    def get(self, name, required=True):
+        if name not in self.weights:
+            if required:
+                raise KeyError(f"missing weight {name!r}")
+            return None
+        self.used.add(name)
+        return self.weights[name]
+
+
+def _linear(w, b, conv1d):
+    kernel = np.asarray(w) if conv1d else np.asarray(w).T
+    out = {"kernel": np.ascontiguousarray(kernel)}
+    if b is not None:
+        out["bias"] = np.asarray(b)
+    return out
+
+
+def load_attention(config: dict, weights: WeightsLike, *, dtype=None) -> list[HFAttention]:
+    """Every attention layer of a Hugging Face checkpoint, as flax_attn configs and params.
+
+    Args:
+      config: the checkpoint's ``config.json`` as a dict (``model_type`` picks the family).
+      weights: a ``.safetensors`` path (or a directory of shards), or a mapping of names to
+        arrays (e.g. ``{k: v.numpy() for k, v in model.state_dict().items()}``); any root
+        prefix (``model.``, ``transformer.``) is found.
+      dtype: cast every parameter to this NumPy dtype (default: keep the checkpoint's).
+
+    Returns:
+      a list of :class:`HFAttention` in the order of the family's stacks (encoder self,
+      decoder self, decoder cross), each stack by layer index.
+
+    Raises:
+      NotImplementedError: the family (or an option of its config) needs a layer feature
+        flax_attn lacks; the message names it (see ``flax_attn.hf.MISSING_FEATURES``).
+      KeyError: a weight the family needs is absent.
+    """
+    family = fam.family_of(config)
+    fam.check_supported(family, config)
+    w = read_weights(weights)
+    root = _root(family, w)
+    take = _Taker(w)
+    layers = []
+    for stack in family.stacks:
+        count = _layer_count(root, stack.template, w)
+        table = None
+        if family.t5_table and stack.kind == "self":
+            table = take.get(f"{root}{stack.template.format(i=0)}.{family.t5_table}.weight")
+        for i in range(count):
+            prefix = f"{root}{stack.template.format(i=i)}"
+            fields = fam.stack_fields(family, config, stack, i)
+            extra = {} if table is None else {"rel_bias": {"embedding": np.asarray(table)}}
+            cfg, params = _layer_params(family, config, AttentionConfig(**fields), prefix, take, extra)
+            if dtype is not None:
+                params = _cast(params, dtype)
+            layers.append(HFAttention(prefix, stack.stack, stack.kind, i, cfg, params))
+    return layers
+
+
+def _cast(tree, dtype):
+    return {k: _cast(v, dtype) if isinstance(v, dict) else np.asarray(v, dtype) for k, v in tree.items()}
+
+
+def _layer_params(family, config, cfg: AttentionConfig, prefix: str, take: _Taker, extra: dict):
+    N, K, H = cfg.num_heads, cfg.kv_heads, cfg.kv_head_dim
+    g = lambda name, required=True: take.get(f"{prefix}.{name}", required)
+    if family.fused:
+        fw, fb = g(f"{family.fused}.weight"), g(f"{family.fused}.bias", False)
+        fw = np.asarray(fw).T if family.conv1d else np.asarray(fw)  # (out, in)
+        expected = ((N + 2 * K) * H, cfg.d_model)
+        if fw.shape != expected:
+            raise ValueError(f"{prefix}.{family.fused}.weight has shape {fw.shape} (as (out, in)); "
+                             f"N={N}, K={K}, H={H}, D={cfg.d_model} need {expected}")
+        qi, ki, vi = fused_indices(family.fused_layout(config), N, K, H)
+        raw = {n: (fw[ix], None if fb is None else np.asarray(fb)[ix]) for n, ix in (("q", qi), ("k", ki), ("v", vi))}
+        conv = False
+    else:
+        raw = {n: (g(f"{getattr(family, n)}.weight"), g(f"{getattr(family, n)}.bias", False)) for n in "qkv"}
+        conv = family.conv1d
+    ow, ob = g(f"{family.o}.weight"), g(f"{family.o}.bias", False)
+    biased = [n for n in "qkv" if raw[n][1] is not None]
+    qkv_bias = bool(biased)
+    if biased and len(biased) < 3:  # e.g. Whisper: no k bias; a zero bias is the same function
+        for n in "qkv":
+            if raw[n][1] is None:
+                rows = np.asarray(raw[n][0]).shape[1 if conv else 0]
+                raw[n] = (raw[n][0], np.zeros(rows, np.asarray(raw[n][0]).dtype))
+    params = {f"{n}_proj": _linear(raw[n][0], raw[n][1], conv) for n in "qkv"}
+    params["o_proj"] = _linear(ow, ob, family.conv1d)
+    cfg = dataclasses.replace(cfg, qkv_bias=qkv_bias, out_bias=ob is not None)  # as the checkpoint has them
+    if family.norms:
+        for ours, theirs in zip(("q_norm", "k_norm"), family.norms):
+            weight = np.asarray(g(f"{theirs}.weight"))
+            params[ours] = {"scale": 1.0 + weight if family.norm_plus_one else weight}
+    params.update(extra)
+    _check_shapes(prefix, cfg, params)
+    return cfg, params
+
+
+def _check_shapes(prefix, cfg, params):
+    from flax_attn.layers.attention import attention_params
+    from flax_attn.layers.common import ParamSpec
+
+    def walk(spec, got, path):
+        bad = []
+        for k, v in spec.items():
+            if k not in got:
+                bad.append(f"{path}{k}: missing")
+            elif isinstance(v, ParamSpec):
+                if tuple(np.shape(got[k])) != tuple(v.shape):
+                    bad.append(f"{path}{k}: shape {np.shape(got[k])}, the layer needs {v.shape}")
+            else:
+                bad += walk(v, got[k], f"{path}{k}/")
+        return bad
+
+    bad = walk(attention_params(cfg), params, "")
+    if bad:
+        raise ValueError(f"{prefix} does not fit AttentionConfig {cfg}:\n  " + "\n  ".join(bad))
+
+
+def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
+    """flax_attn params back under Hugging Face names (NumPy arrays, ``(out, in)`` weights).
+
+    Args:
+      config: the ``config.json`` dict the layers came from.
+      layers: the list from :func:`load_attention` (params may have been changed since), or
+        ``[(name, config, params), ...]`` with ``name`` the HF module path.
+      root: the checkpoint prefix to write (default: the family's usual one, e.g. ``'model.'``
+        for Llama, ``'transformer.'`` for GPT-2); module paths in ``layers`` are re-rooted.
+
+    Returns:
+      ``{hf_name: array}`` for the attention weights only. Biases that the family does not
+      have (Whisper's ``k_proj``) must be zero and are dropped; T5's shared relative bias table
+      is written once per stack and must be equal in every layer of it.
+    """
+    family = fam.family_of(config)
+    root = family.default_root if root is None else root
+    out = {}
+    templates = {}
+    for stack in family.stacks:
+        templates[stack.template] = stack
+    for item in layers:
+        name, cfg, params = (item.name, item.config, item.params) if isinstance(item, HFAttention) else item
+        # re-root: find which template (with its layer index) the path ends with
+        prefix = None
+        for template, stack in templates.items():
+            m = re.search(re.escape(template).replace(r"\{i\}", r"(\d+)") + "$", name)
+            if m:
+                prefix, this_stack, index = root + template.format(i=m.group(1)), stack, int(m.group(1))
+                break
+        if prefix is None:
+            raise ValueError(f"{name!r} is not an attention module path of family {family.name}")
+        p = {k: v for k, v in params.items()}
+        arr = lambda x: np.asarray(x)
+        if family.fused:
+            N, K, H = cfg.num_heads, cfg.kv_heads, cfg.kv_head_dim
+            qi, ki, vi = fused_indices(family.fused_layout(config), N, K, H)
+            kernel0 = arr(p["q_proj"]["kernel"])
+            fw = np.zeros(((N + 2 * K) * H, cfg.d_model), kernel0.dtype)
+            fb = np.zeros(((N + 2 * K) * H,), kernel0.dtype) if "bias" in p["q_proj"] else None
+            for n, ix in (("q", qi), ("k", ki), ("v", vi)):
+                fw[ix] = arr(p[f"{n}_proj"]["kernel"]).T
+                if fb is not None:
+                    fb[ix] = arr(p[f"{n}_proj"]["bias"])
+            out[f"{prefix}.{family.fused}.weight"] = fw.T.copy() if family.conv1d else fw
+            if fb is not None:
+                out[f"{prefix}.{family.fused}.bias"] = fb
+        else:
+            for n in "qkv":
+                lin = p[f"{n}_proj"]
+                hf = f"{prefix}.{getattr(family, n)}"
+                out[f"{hf}.weight"] = arr(lin["kernel"]) if family.conv1d else arr(lin["kernel"]).T.copy()
+                if "bias" in lin:
+                    if family.name == "whisper" and n == "k":
+                        if np.any(arr(lin["bias"]) != 0):
+                            raise ValueError(f"{hf}.bias: Whisper's k_proj has no bias, but these params have a "
+                                             f"non-zero one (max |b| = {np.abs(arr(lin['bias'])).max():.3g})")
+                        continue
+                    out[f"{hf}.bias"] = arr(lin["bias"])
+        o = p["o_proj"]
+        out[f"{prefix}.{family.o}.weight"] = arr(o["kernel"]) if family.conv1d else arr(o["kernel"]).T.copy()
+        if "bias" in o:
+            out[f"{prefix}.{family.o}.bias"] = arr(o["bias"])
+        if family.norms:
+            for ours, theirs in zip(("q_norm", "k_norm"), family.norms):
+                scale = arr(p[ours]["scale"])
+                out[f"{prefix}.{theirs}.weight"] = scale - 1.0 if family.norm_plus_one else scale
+        if family.t5_table and "rel_bias" in p:
+            key = f"{root}{this_stack.template.format(i=0)}.{family.t5_table}.weight"
+            table = arr(p["rel_bias"]["embedding"])
+            if key in out and not np.array_equal(out[key], table):
+                raise ValueError(f"T5 shares one relative bias table per stack ({key}), but layer {index} of "
+                                 f"{this_stack.stack} has a different one")
+            out[key] = table
+    return out

@@ -1,0 +1,380 @@
+"""Per-family tables: where each Hugging Face family keeps its attention weights and how its
+``config.json`` maps onto :class:`~flax_attn.AttentionConfig`.
+
+A :class:`Family` is declarative: the attention modules of each stack (a path template with
+``{i}`` for the layer), the names of the projections, how a fused query/key/value projection is
+laid out (:data:`FUSED_LAYOUTS`), whether weights are ``Conv1D`` (stored ``(in, out)``), the
+QK-norm's weight convention, and a small function from the config to the layer's fields.
+Families that need a layer feature flax_attn does not have yet are listed in
+:data:`MISSING_FEATURES` (one place); loading them raises ``NotImplementedError`` naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+# How a fused projection orders its output features, given N query heads, K key/value heads, H.
+#   'concat':    [q (N*H) | k (K*H) | v (K*H)]           Phi-3 qkv_proj, GPT-2 c_attn, Falcon multi_query
+#   'per_head':  (N, 3, H): each head's q, k, v in turn   GPT-NeoX, BLOOM, Falcon (classic)
+#   'per_group': (K, N/K + 2, H): a group's queries, then its key and value   Falcon new_decoder_architecture
+FUSED_LAYOUTS = ("concat", "per_head", "per_group")
+
+# Families (model_type) or options needing a layer feature AttentionConfig lacks: what it is.
+MISSING_FEATURES = {
+    "olmo2": "QK-norm over the whole projection: RMSNorm of q (N*H,) and k (K*H,) with weights of those "
+             "sizes, applied before splitting into heads (AttentionConfig.qk_norm normalises each head, H)",
+    "phi:qk_layernorm": "LayerNorm QK-norm with bias: q and k normalised per head by LayerNorm(H) (mean "
+                        "subtracted, learned weight and bias, eps=layer_norm_eps); qk_norm is RMSNorm without bias",
+    "cohere:use_qk_norm": "per-head QK-norm weights: LayerNorm (mean subtracted, no bias) with weights (N, H) "
+                          "for q and (K, H) for k, one row per head; qk_norm shares one (H,) weight over heads",
+    "deepseek_v3": "multi-head latent attention: low-rank q (q_a_proj, q_a_layernorm, q_b_proj) and kv "
+                   "(kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) projections, a decoupled RoPE part of "
+                   "qk_rope_head_dim shared by all heads (interleaved), a no-RoPE part of qk_nope_head_dim, "
+                   "v_head_dim != qk head dim, softmax scale multiplied by YaRN's mscale(factor, "
+                   "mscale_all_dim)^2, and a cache of the latent (kv_lora_rank + rope dim)",
+    "gpt_oss": "attention sinks: a learned logit per head (sinks, (N,)) that joins every row's softmax "
+               "denominator and takes no value (out = sum_s e^l_s v_s / (e^sink + sum_s e^l_s)); also "
+               "alternating sliding/full layers (available) and YaRN with truncate=False (available)",
+    "llama4": "chunked attention (a query sees keys of its own chunk of attention_chunk_size only), "
+              "temperature tuning on NoPE layers (q scaled by log(floor((p + 1) / floor_scale) + 1) * "
+              "attn_scale + 1), NoPE every no_rope_layer_interval-th layer with full attention, and "
+              "L2 QK-norm without weight (use_qk_norm) on RoPE layers",
+    "falcon:alibi": "ALiBi added before the 1/sqrt(H) scaling: logits = (q.k + alibi) / sqrt(H), i.e. slopes "
+                    "divided by sqrt(H); AttentionConfig adds ALiBi after scaling",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """One kind of attention module in a model: ``template`` with ``{i}`` for the layer index."""
+
+    stack: str             # 'decoder' | 'encoder'
+    kind: str              # 'self' | 'cross'
+    template: str          # e.g. 'layers.{i}.self_attn', relative to the checkpoint's root prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Where a family keeps its attention weights and how its config maps to AttentionConfig."""
+
+    name: str
+    model_types: tuple
+    stacks: tuple                       # of Stack
+    q: str = "q_proj"                   # HF names of the projections (unused ones when fused)
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    fused: Optional[str] = None         # HF name of a fused q/k/v projection
+    fused_layout: Optional[Callable] = None  # config -> one of FUSED_LAYOUTS
+    conv1d: bool = False                # GPT-2's Conv1D: weights stored (in, out)
+    norms: Optional[tuple] = None       # HF names of the QK-norm modules (q, k)
+    norm_plus_one: bool = False         # Gemma: the norm multiplies by (1 + weight)
+    t5_table: Optional[str] = None      # T5: the relative bias table, in layer 0 of each stack, shared
+    default_root: str = ""              # the root prefix of the usual *ForCausalLM / *ForConditionalGeneration
+    positions: str = "cumsum"           # flax_attn.hf.padding convention
+    fields: Callable = None             # (config, stack, layer index) -> AttentionConfig keyword arguments
+    missing: Callable = None            # config -> list of MISSING_FEATURES keys this config needs
+
+
+# ----------------------------------------------------------------------------- config readers
+
+def _heads(cfg, *names):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    raise KeyError(f"config has none of {names}")
+
+
+def _rope_parameters(cfg: dict, layer_type: Optional[str] = None) -> dict:
+    """The RoPE parameters of a layer, from the v5 ``rope_parameters`` or the older
+    ``rope_theta``/``rope_scaling`` (``rope_local_base_freq`` for Gemma 3's sliding layers)."""
+    rp = cfg.get("rope_parameters")
+    if rp:
+        if all(isinstance(v, dict) for v in rp.values()):  # one dict per layer type
+            rp = rp[layer_type or "full_attention"]
+        return dict(rp)
+    theta = cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0))
+    if layer_type == "sliding_attention" and cfg.get("rope_local_base_freq") is not None:
+        return {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    out = dict(cfg.get("rope_scaling") or {})
+    out["rope_type"] = out.pop("rope_type", out.pop("type", "default"))
+    out["rope_theta"] = theta
+    return out
+
+
+def _partial_rotary_factor(cfg, rp):
+    for source in (rp, cfg):
+        for key in ("partial_rotary_factor", "rotary_pct"):
+            if source.get(key) is not None:
+                return float(source[key])
+    return 1.0
+
+
+def rope_fields(cfg: dict, head_dim: int, *, layer_type: Optional[str] = None, layout: str = "rotate_half",
+                rotary_dim: Optional[int] = None) -> dict:
+    """``rope_theta``, ``rope_layout``, ``rotary_dim`` and ``rope_scaling`` of a layer."""
+    rp = _rope_parameters(cfg, layer_type)
+    if rotary_dim is None:
+        rotary_dim = int(head_dim * _partial_rotary_factor(cfg, rp))
+    kind = rp.get("rope_type", "default")
+    max_pos = cfg.get("max_position_embeddings")
+    original = rp.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+    scaling = None
+    if kind == "linear":
+        scaling = {"kind": "linear", "factor": float(rp["factor"])}
+    elif kind == "dynamic":  # HF grows the base beyond config.max_position_embeddings
+        scaling = {"kind": "dynamic", "factor": float(rp["factor"]), "original_max_position_embeddings": max_pos}
+    elif kind == "llama3":
+        scaling = {"kind": "llama3", "factor": float(rp["factor"]), "original_max_position_embeddings": original,
+                   "low_freq_factor": float(rp["low_freq_factor"]), "high_freq_factor": float(rp["high_freq_factor"])}
+    elif kind == "yarn":
+        factor = rp.get("factor") or max_pos / original
+        scaling = {"kind": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
+                   "beta_fast": float(rp.get("beta_fast") or 32), "beta_slow": float(rp.get("beta_slow") or 1),
+                   "attention_factor": rp.get("attention_factor"), "mscale": rp.get("mscale"),
+                   "mscale_all_dim": rp.get("mscale_all_dim"), "truncate": rp.get("truncate", True)}
+    elif kind == "longrope":
+        factor = rp.get("factor") or max_pos / original
+        scaling = {"kind": "longrope", "factor": float(factor), "original_max_position_embeddings": original,
+                   "short_factor": tuple(rp["short_factor"]), "long_factor": tuple(rp["long_factor"]),
+                   "attention_factor": rp.get("attention_factor")}
+    elif kind != "default":
+        raise NotImplementedError(f"RoPE type {kind!r} has no flax_attn equivalent "
+                                  f"(supported: default, linear, dynamic, llama3, yarn, longrope)")
+    return {"position": "rope", "rope_theta": float(rp["rope_theta"]), "rope_layout": layout,
+            "rotary_dim": None if rotary_dim == head_dim else rotary_dim, "rope_scaling": scaling}
+
+
+def _layer_type(cfg, i, default_pattern=None):
+    types = cfg.get("layer_types")
+    if types:
+        return types[i]
+    if default_pattern is not None:
+        return default_pattern(cfg, i)
+    return "full_attention"
+
+
+def _decoder_fields(cfg, head_dim_key="head_dim", layout="rotate_half", sliding=None, layer_pattern=None):
+    """Fields shared by the Llama-like decoders."""
+
+    def fields(cfg, stack, i):
+        N = _heads(cfg, "num_attention_heads", "n_head")
+        D = _heads(cfg, "hidden_size", "n_embd", "d_model")
+        H = cfg.get(head_dim_key) or D // N
+        layer_type = _layer_type(cfg, i, layer_pattern)
+        out = {"d_model": D, "num_heads": N, "num_kv_heads": cfg.get("num_key_value_heads") or N,
+               "head_dim": H, "causal": True}
+        out.update(rope_fields(cfg, H, layer_type=layer_type, layout=layout))
+        window = sliding(cfg, i, layer_type) if sliding else None
+        if window is not None:
+            out["sliding_window"] = int(window)
+        return out
+
+    return fields
+
+
+def _window_by_type(cfg, i, layer_type):
+    return cfg.get("sliding_window") if layer_type == "sliding_attention" else None
+
+
+def _mistral_window(cfg, i, layer_type):
+    if cfg.get("layer_types"):
+        return _window_by_type(cfg, i, layer_type)
+    return cfg.get("sliding_window")
+
+
+def _qwen2_window(cfg, i, layer_type):
+    if cfg.get("layer_types"):
+        return _window_by_type(cfg, i, layer_type)
+    if cfg.get("use_sliding_window") and i >= cfg.get("max_window_layers", 0):
+        return cfg.get("sliding_window")
+    return None
+
+
+def _gemma2_pattern(cfg, i):
+    return "sliding_attention" if i % 2 == 0 else "full_attention"
+
+
+def _gemma3_pattern(cfg, i):
+    every = cfg.get("sliding_window_pattern", 6)
+    return "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+
+
+def _with(base: Callable, **extra):
+    def fields(cfg, stack, i):
+        out = base(cfg, stack, i)
+        for k, fn in extra.items():
+            value = fn(cfg, stack, i) if callable(fn) else fn
+            if value is not None:
+                out[k] = value
+        return out
+    return fields
+
+
+def _gemma_scale(cfg, stack, i):
+    return float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim")) ** -0.5
+
+
+def _t5_fields(cfg, stack, i, kind="self"):
+    N, D, H = cfg["num_heads"], cfg["d_model"], cfg["d_kv"]
+    out = {"d_model": D, "num_heads": N, "head_dim": H, "scale": 1.0, "causal": stack == "decoder"}
+    if kind == "cross":
+        out.update(position="none", causal=False)
+    else:
+        out.update(position="t5", t5_num_buckets=cfg.get("relative_attention_num_buckets", 32),
+                   t5_max_distance=cfg.get("relative_attention_max_distance", 128))
+    return out
+
+
+def _seq2seq_fields(kind):
+    def fields(cfg, stack, i):
+        D = cfg["d_model"]
+        N = cfg["encoder_attention_heads"] if stack == "encoder" else cfg["decoder_attention_heads"]
+        return {"d_model": D, "num_heads": N, "position": "none",
+                "causal": stack == "decoder" and kind == "self"}
+    return fields
+
+
+def _gpt2_fields(cfg, stack, i):
+    D, N = cfg.get("n_embd", cfg.get("hidden_size")), cfg.get("n_head", cfg.get("num_attention_heads"))
+    scale = (D // N) ** -0.5 if cfg.get("scale_attn_weights", True) else 1.0
+    if cfg.get("scale_attn_by_inverse_layer_idx", False):
+        scale /= float(i + 1)
+    return {"d_model": D, "num_heads": N, "position": "none", "causal": True, "scale": scale}
+
+
+def _gptj_fields(cfg, stack, i):
+    D, N = cfg.get("n_embd", cfg.get("hidden_size")), cfg.get("n_head", cfg.get("num_attention_heads"))
+    H = D // N
+    out = {"d_model": D, "num_heads": N, "causal": True}
+    out.update(rope_fields(cfg, H, layout="interleaved", rotary_dim=cfg.get("rotary_dim") or H))
+    return out
+
+
+def _bloom_fields(cfg, stack, i):
+    D = cfg.get("hidden_size", cfg.get("n_embed"))
+    return {"d_model": D, "num_heads": cfg["n_head"], "position": "alibi", "causal": True}
+
+
+def _falcon_kv(cfg):
+    N = cfg.get("num_attention_heads", cfg.get("n_head"))
+    if cfg.get("new_decoder_architecture"):
+        return cfg.get("num_kv_heads") or N
+    return 1 if cfg.get("multi_query", True) else N
+
+
+def _falcon_fields(cfg, stack, i):
+    D = cfg["hidden_size"]
+    N = cfg.get("num_attention_heads", cfg.get("n_head"))
+    out = {"d_model": D, "num_heads": N, "num_kv_heads": _falcon_kv(cfg), "causal": True}
+    out.update(rope_fields(cfg, D // N))
+    return out
+
+
+def _falcon_layout(cfg):
+    if cfg.get("new_decoder_architecture"):
+        return "per_group"
+    return "concat" if cfg.get("multi_query", True) else "per_head"
+
+
+def _none(cfg):
+    return []
+
+
+def _llama4_missing(cfg):
+    return ["llama4"]
+
+
+LLAMA_LIKE = dict(stacks=(Stack("decoder", "self", "layers.{i}.self_attn"),), default_root="model.")
+
+FAMILIES = (
+    Family("llama", ("llama",), **LLAMA_LIKE, fields=_decoder_fields(None)),
+    Family("mistral", ("mistral",), **LLAMA_LIKE, fields=_decoder_fields(None, sliding=_mistral_window)),
+    Family("qwen2", ("qwen2",), **LLAMA_LIKE, fields=_decoder_fields(None, sliding=_qwen2_window)),
+    Family("qwen3", ("qwen3",), **LLAMA_LIKE, norms=("q_norm", "k_norm"),
+           fields=_with(_decoder_fields(None, sliding=_qwen2_window), qk_norm=True,
+                        qk_norm_eps=lambda c, s, i: c.get("rms_norm_eps", 1e-6))),
+    Family("gemma2", ("gemma2",), **LLAMA_LIKE,
+           fields=_with(_decoder_fields(None, sliding=_window_by_type, layer_pattern=_gemma2_pattern),
+                        scale=_gemma_scale, logit_softcap=lambda c, s, i: c.get("attn_logit_softcapping"))),
+    Family("gemma3", ("gemma3_text", "gemma3"), **LLAMA_LIKE, norms=("q_norm", "k_norm"), norm_plus_one=True,
+           fields=_with(_decoder_fields(None, sliding=_window_by_type, layer_pattern=_gemma3_pattern),
+                        scale=_gemma_scale, qk_norm=True, qk_norm_eps=lambda c, s, i: c.get("rms_norm_eps", 1e-6),
+                        logit_softcap=lambda c, s, i: c.get("attn_logit_softcapping"))),
+    Family("cohere", ("cohere",), **LLAMA_LIKE, fields=_decoder_fields(None, layout="interleaved"),
+           missing=lambda c: ["cohere:use_qk_norm"] if c.get("use_qk_norm") else []),
+    Family("phi", ("phi",), **LLAMA_LIKE, o="dense", fields=_decoder_fields(None),
+           missing=lambda c: ["phi:qk_layernorm"] if c.get("qk_layernorm") else []),
+    Family("phi3", ("phi3",), **LLAMA_LIKE, fused="qkv_proj", fused_layout=lambda c: "concat",
+           fields=_decoder_fields(None, sliding=_mistral_window)),
+    Family("gpt_neox", ("gpt_neox",), stacks=(Stack("decoder", "self", "layers.{i}.attention"),),
+           default_root="gpt_neox.", fused="query_key_value", fused_layout=lambda c: "per_head", o="dense",
+           fields=_decoder_fields(None)),
+    Family("falcon", ("falcon", "RefinedWeb", "RefinedWebModel"), stacks=(Stack("decoder", "self", "h.{i}.self_attention"),),
+           default_root="transformer.", fused="query_key_value", fused_layout=_falcon_layout, o="dense",
+           fields=_falcon_fields, missing=lambda c: ["falcon:alibi"] if c.get("alibi") else []),
+    Family("gpt2", ("gpt2",), stacks=(Stack("decoder", "self", "h.{i}.attn"),), default_root="transformer.",
+           fused="c_attn", fused_layout=lambda c: "concat", o="c_proj", conv1d=True, fields=_gpt2_fields),
+    Family("gptj", ("gptj",), stacks=(Stack("decoder", "self", "h.{i}.attn"),), default_root="transformer.",
+           o="out_proj", fields=_gptj_fields),
+    Family("bloom", ("bloom",), stacks=(Stack("decoder", "self", "h.{i}.self_attention"),),
+           default_root="transformer.", fused="query_key_value", fused_layout=lambda c: "per_head", o="dense",
+           fields=_bloom_fields),
+    Family("t5", ("t5", "mt5"),
+           stacks=(Stack("encoder", "self", "encoder.block.{i}.layer.0.SelfAttention"),
+                   Stack("decoder", "self", "decoder.block.{i}.layer.0.SelfAttention"),
+                   Stack("decoder", "cross", "decoder.block.{i}.layer.1.EncDecAttention")),
+           q="q", k="k", v="v", o="o", t5_table="relative_attention_bias", positions="index",
+           fields=lambda c, s, i: _t5_fields(c, s, i)),
+    Family("whisper", ("whisper",),
+           stacks=(Stack("encoder", "self", "encoder.layers.{i}.self_attn"),
+                   Stack("decoder", "self", "decoder.layers.{i}.self_attn"),
+                   Stack("decoder", "cross", "decoder.layers.{i}.encoder_attn")),
+           o="out_proj", default_root="model.", positions="index", fields=None),
+    Family("bart", ("bart", "mbart"),
+           stacks=(Stack("encoder", "self", "encoder.layers.{i}.self_attn"),
+                   Stack("decoder", "self", "decoder.layers.{i}.self_attn"),
+                   Stack("decoder", "cross", "decoder.layers.{i}.encoder_attn")),
+           o="out_proj", default_root="model.", positions="index", fields=None),
+    Family("olmo2", ("olmo2",), **LLAMA_LIKE, missing=lambda c: ["olmo2"]),
+    Family("llama4", ("llama4", "llama4_text"), **LLAMA_LIKE, missing=_llama4_missing),
+    Family("deepseek_v3", ("deepseek_v3",), **LLAMA_LIKE, missing=lambda c: ["deepseek_v3"]),
+    Family("gpt_oss", ("gpt_oss",), **LLAMA_LIKE, missing=lambda c: ["gpt_oss"]),
+)
+
+
+def _by_model_type():
+    table = {}
+    for f in FAMILIES:
+        for t in f.model_types:
+            table[t] = f
+    return table
+
+
+def family_of(config: dict) -> Family:
+    """The :class:`Family` of a Hugging Face config dict (by its ``model_type``)."""
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict (a parsed config.json), got {type(config).__name__}")
+    model_type = config.get("model_type")
+    table = _by_model_type()
+    if model_type not in table:
+        raise NotImplementedError(f"no flax_attn.hf family for model_type={model_type!r}; known: {sorted(table)}")
+    return table[model_type]
+
+
+def stack_fields(family: Family, cfg: dict, stack: Stack, i: int) -> dict:
+    """The AttentionConfig keyword arguments of layer ``i`` of ``stack``."""
+    if family.name in ("whisper", "bart"):
+        return _seq2seq_fields(stack.kind)(cfg, stack.stack, i)
+    if family.name == "t5":
+        return _t5_fields(cfg, stack.stack, i, stack.kind)
+    return family.fields(cfg, stack.stack, i)
+
+
+def check_supported(family: Family, cfg: dict) -> None:
+    """Raise ``NotImplementedError`` naming every missing layer feature this config needs."""
+    needed = family.missing(cfg) if family.missing else []
+    if needed:
+        lines = "\n".join(f"  - {key}: {MISSING_FEATURES[key]}" for key in needed)
+        raise NotImplementedError(f"model_type={cfg.get('model_type')!r} needs attention features that "
+                                  f"flax_attn.AttentionConfig does not have yet:\n{lines}")
