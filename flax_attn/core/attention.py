@@ -1,6 +1,6 @@
 """The attention function under every flax_attn module.
 
-    out = softmax(scale * Q K^T [soft-capped] + bias, masked) V
+    out = softmax(score_mod(scale * Q K^T [soft-capped] + bias), masked [, sinks]) V
 
 :func:`dot_product_attention` validates its arguments into one description of the call
 (:mod:`flax_attn.core.call`, with the mask description of :mod:`flax_attn.core.mask`), chooses
@@ -8,13 +8,13 @@ an implementation from the registry (:mod:`flax_attn.core.registry`) and runs it
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax.numpy as jnp
 import numpy as np
 
 from flax_attn import _checks
-from flax_attn.core import registry
+from flax_attn.core import numerics, registry
 from flax_attn.core.call import describe
 from flax_attn.core.mask import Mask
 
@@ -45,11 +45,15 @@ def dot_product_attention(
     return_residual: bool = False,
     precision: PrecisionLike = None,
     implementation: Union[None, str, registry.Implementation] = None,
+    score_mod: Optional[Callable[..., Any]] = None,
+    sinks=None,
 ):
     r"""Scaled dot-product attention for every head:
 
-    .. math::  \mathrm{out} = \mathrm{softmax}(s \cdot QK^T \text{ [soft-capped]} + \mathrm{bias}
-               \text{ [masked]})\, V,\qquad s = 1/\sqrt{H} \text{ unless given.}
+    .. math::  \mathrm{out} = \mathrm{softmax}(f(s \cdot QK^T \text{ [soft-capped]} + \mathrm{bias})
+               \text{ [masked, sinks]})\, V,\qquad s = 1/\sqrt{H} \text{ unless given,}
+
+    with ``f`` the ``score_mod`` (identity unless given).
 
     Args:
       query: ``(B, T, N, H)`` or unbatched ``(T, N, H)``.
@@ -87,6 +91,19 @@ def dot_product_attention(
         implementation object (``flax_attn.core.Blockwise(block_q=256)``), or ``None`` for the
         fastest registered one that serves the call on this platform. Naming one that cannot
         serve the call raises ``ValueError`` saying why.
+      score_mod: ``score_mod(score, b, n, q_idx, k_idx) -> score``, PyTorch FlexAttention's
+        score modification: applied to every logit after scale, soft-cap and bias and before
+        the mask (a masked pair stays masked, whatever its score). Written for scalars and
+        evaluated elementwise, block by block: ``score`` in the accumulation dtype, ``b`` the
+        batch row, ``n`` the query head, ``q_idx``/``k_idx`` the positions the mask uses
+        (``query_positions``/``key_positions`` when given), all int32. Gradients reach the
+        arrays it closes over (e.g. a learned bias table). User mask rules go in ``mask``:
+        ``flax_attn.core.mask.mask_mod(fn) & causal()``.
+      sinks: ``(N,)`` floating, attention sinks (gpt-oss): a learned logit per query head that
+        joins the softmax denominator of every query and carries no value. The returned
+        log-sum-exp then includes it (a query that attends to nothing returns zeros and the
+        sink as its lse). Applied from the log-sum-exp, so every implementation that returns
+        it serves sinks.
 
     Returns:
       ``out`` ``(B, T, N, Hv)`` (``(T, N, Hv)`` if unbatched) in ``query.dtype``; with
@@ -115,13 +132,16 @@ def dot_product_attention(
                     key_positions=key_positions, query_segment_ids=query_segment_ids,
                     key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, dropout_rate=dropout_rate,
                     dropout_rng=dropout_rng, deterministic=deterministic, return_weights=return_weights,
-                    return_residual=return_residual, precision=precision)
+                    return_residual=return_residual, precision=precision, score_mod=score_mod, sinks=sinks)
     impl = registry.resolve(implementation, call)
     if call.T == 0 or call.S == 0:
         result = _empty(call)
     else:
         query, key, value = _drop_invisible(call, query, key, value)
         result = impl(call, query, key, value, dropout_rng)
+    if call.sinks is not None:
+        out, lse, weights = numerics.apply_sinks(call.sinks, result.out, result.lse, result.weights)
+        result = registry.Result(out=out, lse=lse, weights=weights)
     outputs = [result.out] + [x for x, asked in ((result.weights, return_weights), (result.lse, return_residual))
                               if asked]
     if unbatched:

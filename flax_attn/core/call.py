@@ -38,8 +38,19 @@ class Call:
     return_weights: bool
     return_residual: bool
     precision: Any
-    mask: Mask                   # bound to (B, N, T, S)
+    mask: Mask                   # bound to (B, N, T, S); holds the mask_mods and the score_mod
     platform: str                # 'cpu', 'gpu', 'tpu': where it runs (an argument for decision tests)
+    sinks: Any = None            # (N,) sink logits, applied by dot_product_attention from the lse; None: no sinks
+
+    @property
+    def score_mod(self):
+        """The bound score modification (:class:`~flax_attn.core.mask.Mod`), or None."""
+        return self.mask.score_mod
+
+    @property
+    def mask_mod(self):
+        """The bound user mask rules (a tuple of :class:`~flax_attn.core.mask.Mod`), or None."""
+        return self.mask.mask_mods or None
 
     @property
     def G(self) -> int:
@@ -79,15 +90,21 @@ def _dense(name, x, target, check):
     return jnp.asarray(x).reshape(_checks.check_broadcast(name, x, target, "(B, N, T, S)"))
 
 
-def bind_mask(m: Mask, bias, B, N, T, S) -> Mask:
-    """Validate an unbound description (and ``bias``) against the call's shapes and bind it."""
+def bind_mask(m: Mask, bias, B, N, T, S, *, score_mod=None, score_dtype=jnp.float32) -> Mask:
+    """Validate an unbound description (and ``bias``, ``score_mod``) against the call's shapes and
+    bind it; user functions are checked on scalars and closure-converted (scores in
+    ``score_dtype``, the accumulation dtype)."""
     if m.bound:
         raise ValueError("mask: pass an unbound description (from flax_attn.core.mask's builders)")
     if (m.q_segments is None) != (m.k_segments is None):
         raise ValueError("query_segment_ids and key_segment_ids must be given together")
     target = (B, N, T, S)
+    ints = (jnp.zeros((), jnp.int32),) * 4
     return dataclasses.replace(
         m,
+        mask_mods=tuple(mask_lib.bind_mod("mask_mod", mod.fn, ints) for mod in m.mask_mods),
+        score_mod=None if score_mod is None else mask_lib.bind_mod(
+            "score_mod", score_mod, (jnp.zeros((), score_dtype),) + ints),
         q_positions=_positions("query_positions", m.q_positions, B, T),
         k_positions=_positions("key_positions", m.k_positions, B, S),
         q_segments=_positions("query_segment_ids", m.q_segments, B, T),
@@ -126,12 +143,13 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
              key_value_seq_lengths=None, local_window_size=None, query_positions=None, key_positions=None,
              query_segment_ids=None, key_segment_ids=None, logit_softcap=None, dropout_rate=0.0, dropout_rng=None,
              deterministic=False, return_weights=False, return_residual=False, precision=None,
-             platform: Optional[str] = None) -> Call:
+             score_mod=None, sinks=None, platform: Optional[str] = None) -> Call:
     """Validate :func:`~flax_attn.dot_product_attention`'s arguments (4-D) into a :class:`Call`.
 
     Arrays may be ``jax.ShapeDtypeStruct`` where only shapes matter (query, key, value), so
     that the automatic choice can be asked about a call without running it; ``platform``
-    defaults to JAX's default backend.
+    defaults to JAX's default backend. With ``sinks`` the call asks the implementation for the
+    log-sum-exp (``return_residual=True``): the sinks are applied from it.
     """
     (B, T, N, H), (S, K, Hv) = check_qkv(query, key, value)
     if isinstance(mask, Mask):
@@ -152,7 +170,13 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         keyword = keyword & mask_lib.segments(query_segment_ids, key_segment_ids)
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
         keyword = keyword & mask_lib.lengths(query_seq_lengths, key_value_seq_lengths)
-    bound = bind_mask(rules & keyword, bias, B, N, T, S)
+    acc_dtype = jnp.promote_types(_checks.dtype_of(query), jnp.float32)
+    bound = bind_mask(rules & keyword, bias, B, N, T, S, score_mod=score_mod, score_dtype=acc_dtype)
+    if sinks is not None:
+        _checks.check_floating("sinks", sinks)
+        if _checks.shape_of(sinks) != (N,):
+            raise ValueError(f"sinks must have shape (N,) = ({N},), one logit per query head; got "
+                             f"{_checks.shape_of(sinks)} (query {(B, T, N, H)})")
 
     if scale is None:
         scale = 1.0 / math.sqrt(H)
@@ -170,5 +194,5 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     return Call(B=B, T=T, S=S, N=N, K=K, H=H, Hv=Hv, dtype=_checks.dtype_of(query), scale=float(scale),
                 softcap=None if logit_softcap is None else float(logit_softcap),
                 dropout_rate=float(dropout_rate), return_weights=bool(return_weights),
-                return_residual=bool(return_residual), precision=precision, mask=bound,
-                platform=platform or jax.default_backend())
+                return_residual=bool(return_residual) or sinks is not None, precision=precision, mask=bound,
+                platform=platform or jax.default_backend(), sinks=sinks)

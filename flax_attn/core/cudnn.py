@@ -38,7 +38,8 @@ class CuDNN(Implementation):
                               (m.q_positions is not None, "explicit positions"),
                               (m.q_segments is not None, "segment ids"),
                               (m.q_lengths is not None or m.kv_lengths is not None, "sequence lengths"),
-                              (m.window is not None, "local_window_size")):
+                              (m.window is not None, "local_window_size"), (m.chunk is not None, "chunked attention"),
+                              (bool(m.mask_mods), "a mask_mod"), (m.score_mod is not None, "a score_mod")):
             if present:
                 return what
         if m.causal and call.T != call.S:

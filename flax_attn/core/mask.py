@@ -9,12 +9,29 @@ A :class:`Mask` holds every rule that decides whether query ``t`` may attend to 
 * segment ids: equal ids only; a negative id is padding (never attended, attends to nothing);
 * lengths ``(B,)``: query rows and key columns past a sequence's length are blocked;
 * a dense boolean array broadcastable to ``(B, N, T, S)`` (True = may attend);
-* a dense additive ``bias`` broadcastable to ``(B, N, T, S)``.
+* a dense additive ``bias`` broadcastable to ``(B, N, T, S)``;
+* ``chunk=C`` (:func:`chunked`): only keys in the query's chunk of C positions, ``q_pos // C ==
+  k_pos // C`` (Llama 4's chunked attention is ``causal() & chunked(C)``);
+* user rules (:func:`mask_mod`): ``mask_mod(b, n, q_idx, k_idx) -> bool``, in the spirit of
+  PyTorch's FlexAttention, evaluated block by block;
+* a user score modification (``score_mod=`` of :func:`flax_attn.dot_product_attention`):
+  ``score_mod(score, b, n, q_idx, k_idx) -> score``, applied to the finished logits of each block.
+
+User functions (``mask_mod``, ``score_mod``) are written for *scalars* and evaluated elementwise
+(``jax.vmap``), as FlexAttention does: ``b`` is the batch row, ``n`` the query head (``0..N-1``;
+its key/value head is ``n // G``), ``q_idx`` and ``k_idx`` the positions this description uses
+(``query_positions`` / ``key_positions`` when given, else keys at ``0..S-1`` and queries at the
+last T of them), all int32; ``score`` is the logit in the accumulation dtype (float32 or wider).
+Traced floating arrays they close over become arguments of the description
+(:func:`jax.closure_convert`), so gradients reach them (a learned bias table) through custom
+derivative rules such as the blockwise path's.
 
 This module is the only place where these rules are written. Every implementation asks the
 description for what it needs: :meth:`Mask.block` gives the boolean mask of any block of
 queries and keys (the whole ``(T, S)`` tile is one block), :meth:`Mask.block_bias` the bias
-of a block, :meth:`Mask.block_kind` whether a block is empty, full or partial (so that empty
+of a block, :meth:`Mask.block_scores` applies the score modification to a block of logits
+(:meth:`Mask.block_scores_jvp` its tangent, for implementations with their own derivative
+rule), :meth:`Mask.block_kind` whether a block is empty, full or partial (so that empty
 blocks are skipped and full ones computed without a mask), and :meth:`Mask.key_visible` /
 :meth:`Mask.query_visible` which keys and queries take part at all.
 
@@ -30,7 +47,7 @@ shapes ``(B, N, T, S)``; only a bound description answers block queries.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +62,23 @@ FAR = 1 << 28  # "no limit" in window arithmetic on int32 positions
 EMPTY, FULL, PARTIAL = 0, 1, 2  # block kinds
 
 _ARRAYS = ("q_positions", "k_positions", "q_segments", "k_segments", "q_lengths", "kv_lengths", "dense", "bias")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mod:
+    """A user function (``mask_mod`` or ``score_mod``) and the arrays it closes over.
+
+    Unbound: ``fn`` is the user's function and ``args`` is empty. Bound: ``fn`` is its closure
+    conversion, called as ``fn(*scalars, *args)``, and ``args`` are the hoisted arrays (pytree
+    leaves of the description, so derivatives reach them).
+    """
+
+    fn: Callable = dataclasses.field(metadata=dict(static=True))
+    args: Tuple[Any, ...] = ()
+
+    def __call__(self, *scalars):
+        return self.fn(*scalars, *self.args)
 
 
 @jax.tree_util.register_dataclass
@@ -65,8 +99,11 @@ class Mask:
     kv_lengths: Any = None
     dense: Any = None
     bias: Any = None
+    mask_mods: Tuple[Mod, ...] = ()       # user rules, all must allow
+    score_mod: Optional[Mod] = None        # set by dot_product_attention(score_mod=...)
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     window: Optional[Tuple[int, int]] = dataclasses.field(default=None, metadata=dict(static=True))
+    chunk: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
     shape: Optional[Tuple[Any, ...]] = dataclasses.field(default=None, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ composition
@@ -89,7 +126,14 @@ class Mask:
                     continue  # the partner field of a pair already reported
                 raise ValueError(f"both mask descriptions give {what}; combine them into one before '&'")
             fields[name] = a if a is not None else b
-        return Mask(**fields, causal=self.causal or other.causal, window=_intersect(self.window, other.window))
+        if self.score_mod is not None or other.score_mod is not None:
+            raise ValueError("a score_mod is not a mask rule; pass it as dot_product_attention(score_mod=...)")
+        if self.chunk is not None and other.chunk is not None and self.chunk != other.chunk:
+            raise ValueError(f"both mask descriptions give chunks, of {self.chunk} and {other.chunk} positions; "
+                             "give one")
+        return Mask(**fields, mask_mods=self.mask_mods + other.mask_mods, causal=self.causal or other.causal,
+                    window=_intersect(self.window, other.window),
+                    chunk=self.chunk if self.chunk is not None else other.chunk)
 
     # ------------------------------------------------------------------ summary
 
@@ -106,7 +150,8 @@ class Mask:
     @property
     def has_rules(self) -> bool:
         """Whether anything is blocked at all (a bias alone blocks nothing)."""
-        return self.uses_positions or any(getattr(self, f) is not None for f in _ARRAYS[2:7])
+        return (self.uses_positions or self.chunk is not None or bool(self.mask_mods)
+                or any(getattr(self, f) is not None for f in _ARRAYS[2:7]))
 
     @property
     def uses_positions(self) -> bool:
@@ -119,6 +164,12 @@ class Mask:
             parts.append("causal")
         if self.window is not None:
             parts.append(f"window {self.window}")
+        if self.chunk is not None:
+            parts.append(f"chunks of {self.chunk}")
+        if self.mask_mods:
+            parts.append("mask_mod")
+        if self.score_mod is not None:
+            parts.append("score_mod")
         for name, what in (("q_positions", "positions"), ("q_segments", "segment ids"), ("dense", "a boolean mask"),
                            ("bias", "a bias")):
             if getattr(self, name) is not None:
@@ -158,11 +209,14 @@ class Mask:
         q_ok = qi < T if self.q_lengths is None else qi < jnp.minimum(self.q_lengths[b], T)
         k_ok = ki < S if self.kv_lengths is None else ki < jnp.minimum(self.kv_lengths[b], S)
         allowed = q_ok[:, None] & k_ok[None, :]
-        if self.uses_positions:
+        if self.uses_positions or self.chunk is not None or self.mask_mods:
             qp, kp = self.positions(b, q_start, bq, k_start, bk)
+        if self.uses_positions:
             lower, upper = self.bounds
             delta = qp[:, None] - kp[None, :]
             allowed = allowed & (delta <= lower) & (delta >= -upper)
+        if self.chunk is not None:
+            allowed = allowed & ((qp // self.chunk)[:, None] == (kp // self.chunk)[None, :])
         if self.q_segments is not None:
             qs = _rows(self.q_segments, b, q_start, bq)
             ks = _rows(self.k_segments, b, k_start, bk)
@@ -170,6 +224,8 @@ class Mask:
         allowed = allowed[None]
         if self.dense is not None:
             allowed = allowed & _tile(self.dense, b, heads, q_start, bq, k_start, bk)
+        for mod in self.mask_mods:
+            allowed = allowed & _elementwise(mod, *_grid(b, heads, qp, kp))
         return allowed
 
     def block_bias(self, b, heads, q_start, bq: int, k_start, bk: int):
@@ -178,28 +234,89 @@ class Mask:
             return None
         return _tile(self.bias, b, heads, q_start, bq, k_start, bk)
 
+    def block_scores(self, s, b, heads, q_start, bq: int, k_start, bk: int):
+        """The score modification applied to the finished logits ``s`` ``(n, bq, bk)`` of a block
+        (after scale, soft-cap and bias; before the mask); ``s`` itself when there is none.
+
+        ``heads``, ``q_start`` etc. as in :meth:`block`. Implementations that work block by block
+        call this on each block's logits; :meth:`scores` does the whole ``(T, S)`` tile.
+        """
+        if self.score_mod is None:
+            return s
+        qp, kp = self.positions(b, q_start, bq, k_start, bk)
+        return _elementwise(self.score_mod, s, *_grid(b, heads, qp, kp, s.shape[0])).astype(s.dtype)
+
+    def block_scores_jvp(self, mask_dot, spec, qi, kj, ds, b, heads, q_start, bq: int, k_start, bk: int):
+        """The tangent of :meth:`block_scores`: ``ds`` (the tangent of the finished logits of a
+        block, ``(n, bq, bk)``) carried through the score modification; ``ds`` itself when there
+        is none.
+
+        ``mask_dot`` is this description's tangent (:meth:`with_tangents`: its score_mod's
+        ``args`` are the tangents of the arrays the score_mod closes over); ``spec`` gives
+        ``scale``, ``softcap`` and ``precision``; ``qi`` ``(n, bq, H)`` and ``kj`` ``(bk, H)``
+        are the block's queries and keys, from which the logits are recomputed.
+        """
+        if self.score_mod is None:
+            return ds
+        from flax_attn.core import numerics  # numerics does not import this module; keep it that way
+
+        acc = jnp.promote_types(qi.dtype, jnp.float32)
+        raw = jnp.einsum("gqh,kh->gqk", qi, kj, precision=spec.precision, preferred_element_type=acc)
+        s = numerics.finish_logits(spec, raw, self.block_bias(b, heads, q_start, bq, k_start, bk))
+        qp, kp = self.positions(b, q_start, bq, k_start, bk)
+        idx = _grid(b, heads, qp, kp, s.shape[0])
+        fn = self.score_mod.fn
+        f = lambda s, args: _elementwise(Mod(fn, args), s, *idx).astype(s.dtype)
+        args_dot = tuple(jnp.zeros_like(a) if t is None else t for a, t in
+                         zip(self.score_mod.args, mask_dot.score_mod.args))
+        return jax.jvp(f, (s, self.score_mod.args), (ds.astype(s.dtype), args_dot))[1]
+
+    def with_tangents(self, tangent: "Mask") -> "Mask":
+        """This description with the tangents of its differentiable arrays (the bias and the
+        arrays the score_mod closes over) taken from ``tangent``, a description of the same
+        structure whose leaves are tangents; the rest stays primal."""
+        score = None if self.score_mod is None else Mod(self.score_mod.fn, tangent.score_mod.args)
+        return dataclasses.replace(self, bias=tangent.bias, score_mod=score)
+
+    def scores(self, s):
+        """The score modification applied to all logits ``(B, K, G, T, S)`` or ``(B, N, T, S)``
+        (batch 1 or B); ``s`` itself when there is none."""
+        if self.score_mod is None:
+            return s
+        _, N, T, S = self._dims()
+        flat = s.reshape(s.shape[0], N, T, S)
+        out = jax.vmap(lambda b, x: self.block_scores(x, b, (0, N), 0, T, 0, S))(
+            jnp.arange(s.shape[0], dtype=jnp.int32), flat)
+        return out.reshape(s.shape)
+
     def block_kind(self, b, heads, q_start, bq: int, k_start, bk: int):
         """int32 scalar: ``EMPTY`` (no pair may attend), ``FULL`` (every pair may: no mask
-        needed) or ``PARTIAL``. Found from position, segment and length ranges; a dense mask
-        is inspected over the block."""
+        needed) or ``PARTIAL``. Found from position, chunk, segment and length ranges; a dense
+        mask and the mask_mods are inspected over the block (a mask_mod is evaluated on the
+        block's ``n x bq x bk`` pairs)."""
         _, _, T, S = self._dims()
         q_end, k_end = q_start + bq, k_start + bk  # exclusive
         q_lim = T if self.q_lengths is None else jnp.minimum(self.q_lengths[b], T)
         k_lim = S if self.kv_lengths is None else jnp.minimum(self.kv_lengths[b], S)
         empty = (q_start >= q_lim) | (k_start >= k_lim)
         full = (q_end <= q_lim) & (k_end <= k_lim)
-        if self.uses_positions:
+        if self.uses_positions or self.chunk is not None or self.mask_mods:
             qp, kp = self.positions(b, q_start, bq, k_start, bk)
             # only rows/columns that exist can make a block non-empty
             q_valid = q_start + jnp.arange(bq) < q_lim
             k_valid = k_start + jnp.arange(bk) < k_lim
-            q_min = jnp.min(jnp.where(q_valid, qp, FAR))
-            q_max = jnp.max(jnp.where(q_valid, qp, -FAR))
-            k_min = jnp.min(jnp.where(k_valid, kp, FAR))
-            k_max = jnp.max(jnp.where(k_valid, kp, -FAR))
+            lo = lambda x, valid: jnp.min(jnp.where(valid, x, FAR))
+            hi = lambda x, valid: jnp.max(jnp.where(valid, x, -FAR))
+        if self.uses_positions:
+            q_min, q_max, k_min, k_max = lo(qp, q_valid), hi(qp, q_valid), lo(kp, k_valid), hi(kp, k_valid)
             lower, upper = self.bounds
             empty = empty | (k_min > q_max + upper) | (k_max < q_min - lower)
             full = full & (k_max <= q_min + upper) & (k_min >= q_max - lower)
+        if self.chunk is not None:
+            qc, kc = qp // self.chunk, kp // self.chunk
+            qc_min, qc_max, kc_min, kc_max = lo(qc, q_valid), hi(qc, q_valid), lo(kc, k_valid), hi(kc, k_valid)
+            empty = empty | (kc_min > qc_max) | (kc_max < qc_min)
+            full = full & (qc_min == qc_max) & (kc_min == kc_max) & (qc_min == kc_min)
         if self.q_segments is not None:
             qs = _rows(self.q_segments, b, q_start, bq)
             ks = _rows(self.k_segments, b, k_start, bk)
@@ -208,6 +325,10 @@ class Mask:
         if self.dense is not None:
             tile = _tile(self.dense, b, heads, q_start, bq, k_start, bk)
             empty = empty | ~jnp.any(tile)
+            full = full & jnp.all(tile)
+        for mod in self.mask_mods:
+            tile = _elementwise(mod, *_grid(b, heads, qp, kp))
+            empty = empty | ~jnp.any(tile & q_valid[:, None] & k_valid[None, :])
             full = full & jnp.all(tile)
         return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
 
@@ -229,6 +350,8 @@ class Mask:
             return None
         rows = B if any(getattr(self, f) is not None and getattr(self, f).shape[0] != 1 for f in _ARRAYS[:7]) else 1
         heads = N if self.dense is not None and self.dense.shape[1] != 1 else 1
+        if self.mask_mods:  # a user rule may depend on the batch row and the head
+            rows, heads = B, N
         if rows == 1:
             return self.block(0, (0, heads), 0, T, 0, S)[None]
         return jax.vmap(lambda b: self.block(b, (0, heads), 0, T, 0, S))(jnp.arange(rows))
@@ -278,7 +401,52 @@ def _tile(x, b, heads, q_start, bq: int, k_start, bk: int):
         else:
             starts.append(0)
             sizes.append(1)
-    return lax.dynamic_slice(x, starts, sizes)
+    # one index dtype: under vmap the starts are concatenated (x64 may make some of them int64)
+    return lax.dynamic_slice(x, [jnp.asarray(st, jnp.int32) for st in starts], sizes)
+
+
+def _grid(b, heads, qp, kp, n=None):
+    """int32 ``(b, n, q_idx, k_idx)`` broadcast to ``(n, bq, bk)`` for the heads ``(h0, n)``."""
+    h0, count = heads
+    n = count if n is None else n
+    h = jnp.asarray(h0, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+    shape = (n, qp.shape[0], kp.shape[0])
+    return (jnp.broadcast_to(jnp.asarray(b, jnp.int32), shape), jnp.broadcast_to(h[:, None, None], shape),
+            jnp.broadcast_to(qp.astype(jnp.int32)[None, :, None], shape),
+            jnp.broadcast_to(kp.astype(jnp.int32)[None, None, :], shape))
+
+
+def _elementwise(mod: Mod, *xs):
+    """``mod`` (a function of scalars) at every element of the equally shaped arrays ``xs``."""
+    shape = xs[0].shape
+    out = jax.vmap(mod)(*(x.reshape(-1) for x in xs))
+    return out.reshape(shape)
+
+
+def bind_mod(what: str, fn, example) -> Mod:
+    """Check a user function on scalar ``example`` arguments and closure-convert it.
+
+    ``what`` is ``'mask_mod'`` (must return a boolean scalar) or ``'score_mod'`` (a floating
+    scalar; cast back to the score's dtype where applied).
+    """
+    if isinstance(fn, Mod):
+        fn = fn.fn
+    if not callable(fn):
+        raise TypeError(f"{what} must be a function, got {fn!r}")
+    try:
+        out = jax.eval_shape(fn, *example)
+    except TypeError as e:
+        sig = "(b, n, q_idx, k_idx)" if what == "mask_mod" else "(score, b, n, q_idx, k_idx)"
+        raise TypeError(f"{what} must take {sig} (int32 scalars, and the float score): {e}") from e
+    if not hasattr(out, "shape") or out.shape != ():
+        raise ValueError(f"{what} must return one value for scalar arguments (it is evaluated elementwise), "
+                         f"got {getattr(out, 'shape', out)!r}")
+    if what == "mask_mod" and out.dtype != jnp.bool_:
+        raise TypeError(f"mask_mod must return a boolean (True = may attend), got dtype {out.dtype}")
+    if what == "score_mod" and not jnp.issubdtype(out.dtype, jnp.floating):
+        raise TypeError(f"score_mod must return a floating score, got dtype {out.dtype}")
+    converted, consts = jax.closure_convert(fn, *example)
+    return Mod(converted, tuple(consts))
 
 
 def _visible(length: int, lengths, segments, dense, keep: int):
@@ -349,6 +517,29 @@ def lengths(query_seq_lengths=None, key_value_seq_lengths=None) -> Mask:
         if x is not None:
             _checks.check_integer(name, x)
     return Mask(q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths)
+
+
+def chunked(chunk_size: int) -> Mask:
+    """Chunks of ``chunk_size`` positions: a query at position p may attend to keys at positions
+    in its own chunk, ``k // C == p // C``. Llama 4's chunked attention (causal within chunks) is
+    ``causal() & chunked(C)``. Blocks of queries and keys in different chunks are skipped."""
+    _checks.check_positive_int("chunk_size", chunk_size)
+    return Mask(chunk=int(chunk_size))
+
+
+def mask_mod(fn: Callable[..., Any]) -> Mask:
+    """A user rule ``fn(b, n, q_idx, k_idx) -> bool`` (True = may attend), as PyTorch's
+    FlexAttention ``mask_mod``; combine with the other rules by ``&``.
+
+    ``fn`` is written for int32 scalars (batch row, query head, query and key position; see the
+    module docstring) and evaluated elementwise over each block, never over the whole ``T x S``
+    on the blockwise path. Each block's kind is found by evaluating ``fn`` over the block: a
+    block where it is False everywhere is skipped, one where it is True everywhere is computed
+    without a mask. Arrays ``fn`` closes over (document ids, a table) may be traced.
+    """
+    if not callable(fn):
+        raise TypeError(f"mask_mod must be a function (b, n, q_idx, k_idx) -> bool, got {fn!r}")
+    return Mask(mask_mods=(Mod(fn),))
 
 
 def dense(mask) -> Mask:

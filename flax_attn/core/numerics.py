@@ -2,7 +2,9 @@
 masked softmax and dropout. Written once here; implementations differ only in how they loop.
 
 Logit pipeline (in at least float32): ``s = scale * q.k``; soft-cap ``s = c * tanh(s / c)``;
-``s = s + bias``; blocked pairs take no part in the softmax.
+``s = s + bias``; ``s = score_mod(s, b, n, q_idx, k_idx)`` if given; blocked pairs (the mask,
+``mask_mod`` included) take no part in the softmax; sinks join its denominator
+(:func:`apply_sinks`).
 """
 from __future__ import annotations
 
@@ -17,14 +19,55 @@ Array = Any
 
 
 def finish_logits(call, raw, bias=None):
-    """Scale, soft-cap and bias raw dot products ``q.k`` (already in ``call.acc_dtype``)."""
+    """Scale, soft-cap and bias raw dot products ``q.k`` (already in ``call.acc_dtype``).
+
+    ``call`` is anything with ``scale`` and ``softcap``. When it is a whole
+    :class:`~flax_attn.core.call.Call` whose mask description holds a ``score_mod``, ``raw``
+    must be all of the call's logits, ``(B, K, G, T, S)`` or ``(B, N, T, S)``, and the score_mod
+    is applied too (:meth:`~flax_attn.core.mask.Mask.scores`); implementations that work block
+    by block pass something else (their own static facts) and call
+    :meth:`~flax_attn.core.mask.Mask.block_scores` on each block.
+    """
     s = raw * jnp.asarray(call.scale, raw.dtype)
     if call.softcap is not None:
         cap = jnp.asarray(call.softcap, raw.dtype)
         s = cap * jnp.tanh(s / cap)
     if bias is not None:
         s = s + bias.astype(raw.dtype)
+    mask = getattr(call, "mask", None)
+    if getattr(mask, "score_mod", None) is not None:
+        s = mask.scores(s)
     return s
+
+
+def apply_sinks(sinks, out, lse, weights=None):
+    r"""Attention sinks (gpt-oss): a per-head logit that joins every softmax denominator and
+    carries no value,
+
+    .. math::  \mathrm{out}' = \mathrm{out}\,\sigma(\mathrm{lse} - \mathrm{sink}),\qquad
+               \mathrm{lse}' = \log(e^{\mathrm{lse}} + e^{\mathrm{sink}}),
+
+    exact, since every weight is divided by ``1 + e^(sink - lse)``. Computed in float32 or wider.
+
+    Args:
+      sinks: ``(N,)`` floating.
+      out: ``(B, T, N, Hv)``: attention without sinks.
+      lse: ``(B, T, N)``: log-sum-exp of the allowed logits (``-inf`` where nothing is allowed).
+      weights: optional ``(B, N, T, S)`` attention weights without sinks.
+
+    Returns:
+      ``(out', lse', weights')`` in the dtypes given (``weights'`` None if ``weights`` is): a
+      query that may attend to nothing keeps zeros, and its ``lse'`` is the sink.
+    """
+    acc = jnp.promote_types(jnp.promote_types(lse.dtype, jnp.float32), jnp.asarray(sinks).dtype)
+    sink = jnp.asarray(sinks).astype(acc)
+    lse = lse.astype(acc)
+    factor = jax.nn.sigmoid(lse - sink)                       # (B, T, N); 0 where lse = -inf
+    new_out = (out.astype(acc) * factor[..., None]).astype(out.dtype)
+    new_weights = None
+    if weights is not None:
+        new_weights = (weights.astype(acc) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(weights.dtype)
+    return new_out, jnp.logaddexp(lse, sink), new_weights
 
 
 def group_queries(query, K: int):

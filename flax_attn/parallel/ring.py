@@ -125,6 +125,10 @@ class ContextParallel(Implementation):
     def supports(self, call) -> Optional[str]:
         if call.dropout_rate > 0.0:
             return "dropout (each device would draw its own mask)"
+        m = call.mask
+        if m.chunk is not None or m.mask_mods or m.score_mod is not None:
+            return ("chunked attention, a mask_mod or a score_mod (the ring rebuilds each block's mask from "
+                    "causal, window, positions and segment ids)")
         if call.return_weights and self.method == "ring":
             return "return_weights with method='ring' (use method='allgather', which returns them)"
         mesh = self.resolved_mesh()

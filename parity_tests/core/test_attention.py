@@ -154,3 +154,33 @@ def test_logit_softcap_literal():
     q, k, v = jnp.array([[[[10.0]]]]), jnp.array([[[[1.0]], [[0.0]]]]), jnp.array([[[[1.0]], [[0.0]]]])
     out = fa.dot_product_attention(q, k, v, scale=1.0, logit_softcap=5.0)
     np.testing.assert_allclose(out[0, 0, 0, 0], 1 / (1 + np.exp(-5 * np.tanh(2.0))), rtol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["xla", fa.core.Blockwise(block_q=4, block_k=4)], ids=["xla", "blockwise"])
+def test_sinks_shrink_weights_and_keep_empty_rows_zero(impl):
+    q, k, v = _qkv(N=4, K=2)
+    sinks = jnp.array([-1.0, 0.0, 1.0, 30.0])                             # the last head's sink dominates
+    lengths = np.array([6, 2], np.int32)
+    f = lambda q, s: fa.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths, sinks=s,
+                                              return_residual=True, implementation=impl)
+    out, lse = f(q, sinks)
+    plain, plain_lse = fa.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                                return_residual=True, implementation=impl)
+    np.testing.assert_array_equal(out[1, 2:], 0.0)                        # queries past the length: zeros
+    np.testing.assert_allclose(lse, jnp.logaddexp(plain_lse, sinks), rtol=1e-12)
+    np.testing.assert_allclose(lse[1, 2:], np.broadcast_to(sinks, (4, 4)), rtol=1e-15)
+    np.testing.assert_allclose(out, plain * jax.nn.sigmoid(plain_lse - sinks)[..., None], rtol=1e-12, atol=1e-300)
+    assert np.abs(out[..., 3, :]).max() < 1e-10                           # e^-30 of the values
+    g_q, g_s = jax.grad(lambda q, s: jnp.sum(f(q, s)[0] ** 2), (0, 1))(q, sinks)
+    assert np.isfinite(g_q).all() and np.isfinite(g_s).all()
+    np.testing.assert_array_equal(g_q[1, 2:], 0.0)
+
+
+def test_sinks_with_weights():
+    q, k, v = _qkv()
+    sinks = jnp.array([0.5, -0.5, 2.0, 0.0])
+    out, w, lse = fa.dot_product_attention(q, k, v, is_causal=True, sinks=sinks, return_weights=True,
+                                           return_residual=True)
+    # the weights and the sink's share make 1; out is the weighted sum of the values
+    np.testing.assert_allclose(w.sum(-1) + jnp.exp(sinks[None, :, None] - jnp.swapaxes(lse, 1, 2)), 1.0, rtol=1e-13)
+    np.testing.assert_allclose(out, jnp.einsum("bnts,bsnh->btnh", w, v), rtol=1e-12)

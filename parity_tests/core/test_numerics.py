@@ -103,3 +103,18 @@ def test_low_precision_paths_against_float64(dtype, impl):
         for got, want in zip(g(q, k, v), ref_grads):
             assert got.dtype == dt
             assert max_rel_error(got, want) <= 3 * u
+
+
+def test_apply_sinks_by_hand():
+    from flax_attn.core.numerics import apply_sinks
+    out = jnp.array([[[[2.0, -4.0]], [[0.0, 0.0]]]])                     # (B, T, N, Hv) = (1, 2, 1, 2)
+    lse = jnp.array([[[np.log(3.0)], [-np.inf]]])                         # row 1 attends to nothing
+    weights = jnp.array([[[[1 / 3, 2 / 3], [0.0, 0.0]]]])                 # (B, N, T, S)
+    new_out, new_lse, new_w = apply_sinks(jnp.array([0.0]), out, lse, weights)
+    # e^lse = 3 beside e^sink = 1: every weight shrinks by 3/4
+    np.testing.assert_allclose(new_out, [[[[1.5, -3.0]], [[0.0, 0.0]]]], rtol=1e-15)
+    np.testing.assert_allclose(new_w, [[[[0.25, 0.5], [0.0, 0.0]]]], rtol=1e-15)
+    np.testing.assert_allclose(new_lse, [[[np.log(4.0)], [0.0]]], rtol=1e-15)
+    g = jax.grad(lambda s: jnp.sum(apply_sinks(s, out, lse)[0]))(jnp.array([0.0]))
+    # d/ds of 3/(3 + e^s) * (2 - 4) at s = 0: -(-2) * 3/16; the empty row adds nothing (no NaN)
+    np.testing.assert_allclose(g, [2 * 3 / 16], rtol=1e-15)

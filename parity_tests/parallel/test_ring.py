@@ -401,6 +401,10 @@ def test_other_refusals_say_why():
         fp.ring_attention(q, k, k, mesh=_abstract(), axis_name="sequence")
     with pytest.raises(ValueError, match="method must be one of"):
         fp.context_parallel(_abstract(), "seq", "ulysses")
+    for rule in ({"mask": fa.masks.chunked(8)}, {"mask": fa.masks.mask_mod(lambda b, n, i, j: i >= j)},
+                 {"score_mod": lambda s, b, n, i, j: s}):
+        with pytest.raises(ValueError, match="chunked attention, a mask_mod or a score_mod"):
+            fa.dot_product_attention(q, k, k, implementation=fp.context_parallel(_abstract()), **rule)
 
 
 def test_ambient_mesh_is_used_when_none_is_stored():
