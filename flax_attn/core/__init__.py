@@ -5,7 +5,8 @@
 * :mod:`~flax_attn.core.numerics`: the logit pipeline, grouped-query fold, masked softmax, dropout;
 * :mod:`~flax_attn.core.registry`: implementations and the automatic choice;
 * one file per implementation: :mod:`~flax_attn.core.xla` (plain, serves everything),
-  :mod:`~flax_attn.core.blockwise` (flash-style, linear memory), :mod:`~flax_attn.core.cudnn`;
+  :mod:`~flax_attn.core.blockwise` (flash-style, linear memory), :mod:`~flax_attn.core.cudnn`,
+  and JAX's Pallas kernels in :mod:`~flax_attn.core.pallas` (splash, pallas_triton, pallas_decode);
 * :mod:`~flax_attn.core.attention`: :func:`dot_product_attention`.
 """
 from flax_attn.core import mask, registry
@@ -15,6 +16,7 @@ from flax_attn.core.call import Call
 from flax_attn.core.cudnn import CuDNN
 from flax_attn.core.mask import Mask
 from flax_attn.core.numerics import dropout, masked_softmax
+from flax_attn.core.pallas import PallasDecode, PallasTriton, Splash
 from flax_attn.core.registry import Implementation, Result
 from flax_attn.core.xla import XLA
 
@@ -22,6 +24,10 @@ from flax_attn.core.xla import XLA
 registry.register(XLA())
 registry.register(CuDNN())
 registry.register(Blockwise())
+# JAX's Pallas kernels (TPU: splash; GPU: the decoding kernel for one query, cuDNN, then Triton)
+registry.register(PallasDecode(), before="cudnn")
+registry.register(Splash(), before="blockwise")
+registry.register(PallasTriton(), before="blockwise")
 
-__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "Mask", "Result", "XLA", "dot_product_attention",
-           "dropout", "mask", "masked_softmax", "registry"]
+__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "Mask", "PallasDecode", "PallasTriton", "Result", "Splash",
+           "XLA", "dot_product_attention", "dropout", "mask", "masked_softmax", "registry"]

@@ -2,9 +2,10 @@
 
 Each registered implementation available on this platform (on CPU: ``xla`` and ``blockwise``),
 plus the blockwise path with tiny blocks (8/8/4, and odd 7/6/3, so that every block-skipping
-branch runs on small shapes), is compared with :func:`reference`, a dense and obviously correct
-attention written below in float64 from the documented rules: outputs and gradients with
-respect to query, key, value and bias, by max relative error ``max|a - b| / max|b|``.
+branch runs on small shapes) and JAX's Pallas kernels in interpret mode (section 7), is
+compared with :func:`reference`, a dense and obviously correct attention written below in
+float64 from the documented rules: outputs and gradients with respect to query, key, value and
+bias, by max relative error ``max|a - b| / max|b|``.
 Tolerances: float64 1e-12; float32 1e-5; bfloat16 2**-7 (outputs) and 3 * 2**-8 (gradients);
 the reference runs in float64 on the inputs rounded to the dtype under test. Rows that may
 attend to nothing must be exactly zero with exactly zero query gradients, and keys no query
@@ -13,7 +14,8 @@ may attend to must get exactly zero key/value gradients.
 Sections: 1. mask and bias broadcast shapes; 2. masking features (GQA/MQA, causal, windows,
 segments, lengths, positions, soft-cap, bias with mask, fully masked rows) and mask
 descriptions; 3. dtypes; 4. transformations; 5. the defects being fixed, one test each;
-6. a toy implementation, registered, run through a subset, unregistered.
+6. a toy implementation, registered, run through a subset, unregistered; 7. the Pallas kernels
+(float32/bfloat16 cases they serve; they decline float64, so sections 1-5 skip for them).
 
 Compile time, not run time, is what a case costs (a blockwise forward + backward takes
 seconds to compile), so each case packs several features, the cases of one test run as one
@@ -35,7 +37,7 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
-from flax_attn.core import Blockwise, registry
+from flax_attn.core import Blockwise, PallasDecode, PallasTriton, Splash, registry
 from flax_attn.core import mask as mask_lib
 
 # The function under test: the public entry point.
@@ -54,16 +56,26 @@ DTYPE_IDS = {np.dtype(np.float64): "f64", np.dtype(np.float32): "f32", np.dtype(
 # ============================================================================ implementations
 
 
+# JAX's Pallas kernels through Pallas' interpreter, with the smallest blocks each allows: they
+# run on any backend, so every platform holds them to the reference.
+INTERPRETED = (
+    ("splash-interpret", Splash(interpret=True)),                                          # blocks of 128
+    ("pallas_triton-interpret", PallasTriton(interpret=True, block_q=16, block_k=16, block_bwd=16)),
+    ("pallas_decode-interpret", PallasDecode(interpret=True, block_k=16, k_splits=2)),
+)
+
+
 def _implementations():
     """(id, implementation) for every registered implementation that runs on this platform
-    (``registry.available()``), and the blockwise path again with tiny blocks."""
+    (``registry.available()``), the blockwise path again with tiny blocks, and each Pallas
+    kernel in interpret mode."""
     found = [(impl.name, impl) for impl in registry.available()]
     for name, impl in list(found):
         if isinstance(impl, Blockwise):
             for bq, bk in ((8, 8), (7, 6), (8, 4)):
                 tiny = dataclasses.replace(impl, block_q=bq, block_k=bk)
                 found.append((f"{name}-{bq}-{bk}", tiny))
-    return found
+    return found + list(INTERPRETED)
 
 
 IMPLS = _implementations()
@@ -969,8 +981,132 @@ def test_toy_implementation_registered_run_and_unregistered():
 
 
 def test_every_platform_implementation_is_under_test():
-    """The parametrisation covers the registry: on CPU, xla and blockwise (and tiny blocks)."""
+    """The parametrisation covers the registry: on CPU, xla and blockwise (and tiny blocks), and
+    every registered Pallas kernel in interpret mode on every platform."""
     names = [n for n, _ in IMPLS]
     assert "xla" in names
     if jax.default_backend() == "cpu":
         assert {"xla", "blockwise", "blockwise-8-8", "blockwise-7-6", "blockwise-8-4"} <= set(names)
+    pallas = {impl.name for impl in registry.implementations() if hasattr(impl, "interpret")}
+    assert pallas == {"splash", "pallas_triton", "pallas_decode"} == {i.name for _, i in INTERPRETED}
+    assert all(i.interpret for _, i in INTERPRETED)
+
+
+# ============================================================================ 7. Pallas kernels
+#
+# The kernels accumulate in float32 and tile their sequences, so they decline the float64
+# cases above; these cases are float32 and bfloat16, each served by at least one kernel, with
+# lengths that are not multiples of the blocks. Each kernel runs every case in one program and
+# must serve exactly the cases listed for it (declining the others with a reason).
+
+PALLAS_PARAMS = [pytest.param(impl, id=name) for name, impl in INTERPRETED]
+
+
+def pallas_cases():
+    rng = np.random.default_rng(17)
+    seg = np.stack([_packed_ids([9, 11, 7], 32, rng), _packed_ids([20, 8], 32, rng)])
+    q_seg = np.stack([_packed_ids([7, 9], 24, rng), _packed_ids([24], 24, rng)])
+    k_seg = np.stack([_packed_ids([15, 20], 40, rng), _packed_ids([36], 40, rng)])
+    return [
+        # GQA; causal with T < S (aligned at the end); Hv != H
+        Case("causal-gqa-T<S-Hv=6-f32", (2, 20, 37, 4, 2, 8, 6), dict(is_causal=True), dtype=np.float32),
+        # MQA; one segment-id array for queries and keys with padding (-1); query lengths
+        Case("segments-mqa-qlengths-f32", (2, 32, 32, 4, 1, 8, 8),
+             dict(query_segment_ids=seg, key_segment_ids=seg, query_seq_lengths=np.array([32, 21], np.int32)),
+             dtype=np.float32),
+        # causal window, soft-cap, scale, key lengths (one of 0), query and key segments differing
+        Case("window(5,0)-softcap-kvlengths-segments-f32", (2, 24, 40, 4, 2, 8, 8),
+             dict(is_causal=True, local_window_size=(5, 0), logit_softcap=2.0, scale=0.7,
+                  key_value_seq_lengths=np.array([33, 0], np.int32), query_segment_ids=q_seg,
+                  key_segment_ids=k_seg), dtype=np.float32),
+        # two-sided window with T > S: the first queries see nothing
+        Case("window(3,2)-T>S-f32", (2, 30, 20, 4, 2, 8, 8), dict(local_window_size=(3, 2)), dtype=np.float32),
+        Case("causal-gqa-bf16", (2, 16, 16, 4, 2, 16, 16), dict(is_causal=True), dtype=BF16),
+        # one decoding step: key lengths (one of 0), query lengths (one of 0)
+        Case("decode-causal-lengths-f32", (3, 1, 37, 4, 2, 8, 8),
+             dict(is_causal=True, key_value_seq_lengths=np.array([37, 5, 0], np.int32),
+                  query_seq_lengths=np.array([1, 1, 0], np.int32)), dtype=np.float32),
+        Case("decode-window(9,0)-mqa-bf16", (2, 1, 40, 4, 1, 8, 8), dict(local_window_size=(9, 0)), dtype=BF16),
+    ]
+
+
+PALLAS_CASES = pallas_cases()
+
+# what each kernel serves of PALLAS_CASES (the rest it must decline, saying why)
+PALLAS_SERVES = {
+    "splash": {c.name for c in PALLAS_CASES},
+    "pallas_triton": {"causal-gqa-T<S-Hv=6-f32", "segments-mqa-qlengths-f32", "causal-gqa-bf16"},
+    "pallas_decode": {"decode-causal-lengths-f32", "decode-window(9,0)-mqa-bf16"},
+}
+
+
+@pytest.mark.parametrize("impl", PALLAS_PARAMS)
+def test_pallas_kernels(impl):
+    """Each Pallas kernel in interpret mode, on the cases it serves: outputs and gradients
+    against the float64 reference within the dtype's tolerance, exact zeros on rows that attend
+    to nothing and on keys nobody sees; the other cases declined with a reason."""
+    failures, declines = check_cases(impl, PALLAS_CASES)
+    assert not failures, f"{impl_name(impl)}:\n  " + "\n  ".join(failures)
+    declined_names = {d.split(": implementation=")[0] for d in declines}
+    served = {c.name for c in PALLAS_CASES} - declined_names
+    assert served == PALLAS_SERVES[impl.name], declines
+
+
+def pallas_transform_case(impl):
+    if isinstance(impl, PallasDecode):
+        return Case("pallas-transform-decode", (2, 1, 21, 4, 2, 8, 8),
+                    dict(is_causal=True, key_value_seq_lengths=np.array([21, 9], np.int32)), dtype=np.float32)
+    return Case("pallas-transform", (2, 16, 21, 4, 2, 8, 8), dict(is_causal=True), dtype=np.float32)
+
+
+def _vmap_and_checkpoint(f, a, c):
+    """vjps of ``jax.vmap(f)`` and of ``jax.checkpoint(f)``, one jitted program (the plain jitted
+    vjp is test_pallas_kernels')."""
+    return jax.jit(lambda *a: {"vmap": _vmapped(f, a, c), "checkpoint": value_and_vjp(jax.checkpoint(f), a, c)})(*a)
+
+
+@pytest.mark.parametrize("impl", PALLAS_PARAMS)
+def test_pallas_transformations(impl):
+    """jax.vmap and jax.checkpoint of each kernel under jax.jit agree with the reference
+    (float32, outputs and vjps); forward mode (jax.jvp) raises JAX's custom_vjp error and
+    second derivatives raise, as documented (never a wrong number)."""
+    case = pallas_transform_case(impl)
+    args, cot = case_args(case)
+    f = attention_fn(impl, case.kw)
+    got = _vmap_and_checkpoint(f, args, cot)
+    ref_args = [x.astype(np.float64) for x in args]
+    want = cached(("pallas-transform", case.name), lambda: _vmap_and_checkpoint(
+        reference_fn(case), ref_args, cot.astype(np.float64)))
+    paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(got))
+    ref_leaves = jax.tree_util.tree_leaves(want)
+    assert len(leaves) == len(ref_leaves) > 0
+    bad = [f"{jax.tree_util.keystr(p)}: {rel_error(a, b):.3e}" for p, a, b in zip(paths, leaves, ref_leaves)
+           if not rel_error(a, b) <= 1e-5]
+    assert not bad, f"errors above 1e-5: {bad}"
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(f, tuple(args), tuple(args))
+    inner = jax.grad(lambda q, *rest: jnp.sum(f(q, *rest) * cot))
+    with pytest.raises(Exception):  # noqa: B017 - which error depends on where JAX meets the kernel
+        jax.eval_shape(jax.grad(lambda *a: jnp.sum(inner(*a) ** 2), argnums=(0, 1, 2)), *args)
+
+
+def test_pallas_return_residual():
+    """``return_residual=True`` through each kernel (forward): the log-sum-exp equals the
+    reference's, -inf exactly on the rows that attend to nothing."""
+    bad = []
+    for name, impl in INTERPRETED:
+        case = next(c for c in PALLAS_CASES if c.name in PALLAS_SERVES[impl.name] and c.dtype == np.float32
+                    and "lengths" in c.name)
+        args, _ = case_args(case)
+        out, lse = jax.jit(attention_fn(impl, case.kw, return_residual=True))(*args)
+        ref_out, ref_lse = cached(("residual", case.name), lambda: jax.jit(reference_fn(case, return_residual=True))(
+            *[x.astype(np.float64) for x in args]))
+        lse, ref_lse = np.asarray(lse, np.float64), np.asarray(ref_lse)
+        empty = np.isneginf(ref_lse)
+        assert empty.any() and not empty.all(), case.name
+        if not np.array_equal(np.isneginf(lse), empty):
+            bad.append(f"{name}: lse is -inf elsewhere than the reference's")
+        for what, err in (("output", rel_error(out, ref_out)), ("lse", rel_error(lse[~empty], ref_lse[~empty]))):
+            if not err <= 1e-5:
+                bad.append(f"{name} on {case.name}: {what} error {err:.3e}")
+    assert not bad, bad

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
-from flax_attn.core import Blockwise, Implementation, Result, XLA, registry
+from flax_attn.core import Blockwise, Implementation, Result, Splash, XLA, registry
+from flax_attn.core import mask as M
 from flax_attn.core.call import describe
 from torch_ref.compare import max_rel_error
 
@@ -24,8 +25,13 @@ def _chosen(**kw):
     return registry.choose(_call(**kw)).name
 
 
+NAMES = ["pallas_decode", "cudnn", "splash", "pallas_triton", "blockwise", "xla"]
+
+
 def test_registry_order_and_names():
-    assert registry.names() == ["cudnn", "blockwise", "xla"]  # the plain path serves everything, last
+    assert registry.names() == NAMES  # the plain path serves everything, last
+    if jax.default_backend() == "cpu":
+        assert [i.name for i in registry.available()] == ["blockwise", "xla"]  # the kernels need GPU/TPU
 
 
 def test_automatic_choice_on_cpu():
@@ -42,15 +48,60 @@ def test_automatic_choice_on_cpu():
 def test_automatic_choice_on_gpu():
     bf16 = dict(dtype=jnp.bfloat16, platform="gpu")
     assert _chosen(**bf16) == "cudnn"
-    assert _chosen(dtype=jnp.float32, platform="gpu") == "xla"           # cuDNN takes 16-bit floats only
-    assert _chosen(**bf16, H=96 + 4) == "xla"                             # head dim not a multiple of 8
-    assert _chosen(**bf16, local_window_size=(16, 0)) == "xla"            # no windows in cuDNN here
-    assert _chosen(**bf16, T=512, S=1024) == "xla"                        # causal with T != S
-    assert _chosen(**bf16, precision="highest") == "xla"                  # cuDNN's precision is fixed
+    assert _chosen(dtype=jnp.float32, platform="gpu") == "xla"           # 16-bit floats only on the GPU paths
+    assert _chosen(**bf16, H=96 + 4) == "pallas_triton"                   # cuDNN: head dim not a multiple of 8
+    assert _chosen(**bf16, T=512, S=1024) == "pallas_triton"              # cuDNN: causal with T != S
+    seg = np.zeros((2, 1024), np.int32)
+    assert _chosen(**bf16, query_segment_ids=seg, key_segment_ids=seg) == "pallas_triton"
+    assert _chosen(**bf16, local_window_size=(16, 0)) == "xla"            # neither has windows
+    assert _chosen(**bf16, logit_softcap=30.0) == "xla"                   # nor a soft-cap
+    assert _chosen(**bf16, T=1024, S=512) == "xla"                        # Triton: T > S
+    assert _chosen(**bf16, precision="highest") == "xla"                  # the kernels' precision is fixed
+    assert _chosen(**bf16, T=1, S=1024) == "pallas_decode"                # one decoding step
+    assert _chosen(**bf16, T=1, S=1024, local_window_size=(255, 0),
+                   key_value_seq_lengths=np.array([1024, 7], np.int32)) == "pallas_decode"
+    assert _chosen(**bf16, T=1, S=1024, logit_softcap=30.0) == "xla"      # decode: no soft-cap
+    assert _chosen(**bf16, T=2, S=1024) == "pallas_triton"                # two queries: not a decoding step
 
 
-def test_automatic_choice_on_tpu_takes_the_plain_path():
-    assert _chosen(platform="tpu") == "xla"
+def test_automatic_choice_on_tpu():
+    bf16 = dict(dtype=jnp.bfloat16, platform="tpu")
+    assert _chosen(**bf16) == "splash"
+    seg = np.zeros((2, 1024), np.int32)
+    assert _chosen(**bf16, T=512, local_window_size=(127, 0), logit_softcap=30.0, query_segment_ids=seg[:, :512],
+                   key_segment_ids=seg, key_value_seq_lengths=np.array([1024, 9], np.int32)) == "splash"
+    assert _chosen(platform="tpu") == "xla"                               # float32: not verified on TPUs
+    assert _chosen(**bf16, mask=np.ones((1024,), bool)) == "xla"          # splash's masks are static patterns
+    assert _chosen(**bf16, query_positions=np.arange(1024), key_positions=np.arange(1024)) == "xla"
+    assert _chosen(**bf16, return_weights=True) == "xla"
+
+
+def test_pallas_kernels_refuse_with_their_reason():
+    """Named, each kernel says why it cannot serve a call; on CPU it points to interpret mode."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.float32) for _ in range(3))
+    for name in ("splash", "pallas_triton", "pallas_decode") if jax.default_backend() == "cpu" else ():
+        with pytest.raises(ValueError, match=rf"implementation='{name}' does not support the 'cpu' backend "
+                                             r".*\(interpret=True\) runs it on any backend"):
+            fa.dot_product_attention(q, k, v, implementation=name)
+    tpu = lambda **kw: dataclasses.replace(_call(dtype=jnp.bfloat16, **kw), platform="tpu")
+    gpu = lambda **kw: dataclasses.replace(_call(dtype=jnp.bfloat16, **kw), platform="gpu")
+    splash, triton, decode = (registry.get(n) for n in ("splash", "pallas_triton", "pallas_decode"))
+    assert splash.supports(tpu(bias=np.zeros((1024, 1024), np.float32))) == "a bias"
+    assert "dtype float32" in splash.supports(dataclasses.replace(_call(), platform="tpu"))
+    assert "dropout" in splash.supports(tpu(dropout_rate=0.1, dropout_rng=jax.random.key(0)))
+    assert triton.supports(gpu(local_window_size=3)) == "local_window_size"
+    assert "key_value_seq_lengths" == triton.supports(gpu(key_value_seq_lengths=np.array([3, 4], np.int32)))
+    assert "T=1024 > S=512" in triton.supports(gpu(T=1024, S=512))
+    assert "T=2 queries" in decode.supports(gpu(T=2))
+    assert "H=8 != Hv=4" in decode.supports(dataclasses.replace(gpu(T=1), H=8, Hv=4))
+    # user-defined rules and chunks are refused by the kernels and by cuDNN, never ignored
+    cudnn = registry.get("cudnn")
+    for impl, call in ((splash, tpu), (triton, gpu), (decode, lambda **kw: gpu(T=1, **kw)), (cudnn, gpu)):
+        assert "score_mod" in impl.supports(call(score_mod=lambda s, b, n, i, j: s)), impl.name
+        assert "mask_mod" in impl.supports(call(mask=M.mask_mod(lambda b, n, i, j: i >= j))), impl.name
+        assert "chunk" in impl.supports(call(mask=M.chunked(64))), impl.name
+    assert Splash(interpret=True).runs_on("cpu") and not Splash().runs_on("cpu") and Splash().runs_on("tpu")
 
 
 def test_automatic_choice_falls_back_silently_and_named_ones_say_why():
@@ -65,7 +116,7 @@ def test_automatic_choice_falls_back_silently_and_named_ones_say_why():
         fa.dot_product_attention(q, k, v, return_weights=True, implementation="blockwise")
     with pytest.raises(ValueError, match=r"implementation='cudnn' does not support the 'cpu' backend"):
         fa.dot_product_attention(q, k, v, implementation="cudnn")
-    with pytest.raises(ValueError, match=r"implementation must be one of \['cudnn', 'blockwise', 'xla'\], got 'flash'"):
+    with pytest.raises(ValueError, match=r"implementation must be one of \[.*'blockwise', 'xla'\], got 'flash'"):
         fa.dot_product_attention(q, k, v, implementation="flash")
     with pytest.raises(TypeError, match=r"implementation must be None, a name in"):
         fa.dot_product_attention(q, k, v, implementation=3)
@@ -123,7 +174,7 @@ def toy():
 
 
 def test_a_toy_implementation_registers_serves_and_leaves(toy):
-    assert registry.names() == ["cudnn", "blockwise", "toy-chunked", "xla"]
+    assert registry.names() == NAMES[:-1] + ["toy-chunked", "xla"]
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((2, 13, 4, 8)))
     k, v = (jnp.asarray(rng.standard_normal((2, 17, 2, 8))) for _ in range(2))
