@@ -17,7 +17,9 @@
    machine has are not run; the estimate is reported instead. Beyond 8k tokens each point is
    timed once, without a warm-up run.
 3. KV-cache decoding with flax_attn.Attention (768 wide, 12 heads, RoPE): time per generated
-   token with the cache against recomputing the whole prefix, after a 1024-token prefix.
+   token with the cache against recomputing the whole prefix, after a 1024-token prefix; and one
+   decoding step (``fa.decode_step``) against PyTorch eager with a preallocated cache, batch 1
+   and 8, prefixes 1k and 8k (:mod:`benchmarks.decode`).
 
 Writes benchmarks/results/<machine>.json and .png, and prints the tables. No assertions: the
 ratios are printed; targets are judged by reading them.
@@ -66,12 +68,21 @@ def machine() -> dict:
         "torch": torch.__version__,
         "dtype": "bfloat16" if gpu else "float32",
         "date": time.strftime("%Y-%m-%d"),
+        "load_average_at_start": _load(),
     }
     info["name"] = f"{info['backend']}-{info['device'].replace(' ', '-').lower()}-{info['cpu_count']}cores"
     if gpu:
         info["datasheet_bf16_tflops"] = next((t for prefix, t in DATASHEET_BF16_TFLOPS
                                               if info["device"].startswith(prefix)), None)
     return info
+
+
+def _load() -> Optional[list]:
+    """1, 5 and 15-minute load averages (Unix), or None: a busy machine makes every figure noisier."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _cpu_name() -> str:
@@ -145,6 +156,8 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
         label = f"flax_attn MultiHeadAttention ({impl or 'auto: ' + _auto_choice(B, T, N, D // N, jdtype)})"
         mha = fa.MultiHeadAttention(D, D, T, 0.0, N, param_dtype=jdtype, implementation=impl)
         jax_contender(_Deterministic(mha), label)
+    mha = fa.MultiHeadAttention(D, D, T, 0.0, N, param_dtype=jdtype, implementation="blockwise")
+    jax_contender(_SeparateProjections(mha), "flax_attn MultiHeadAttention (blockwise), three Q/K/V matmuls")
     jax_contender(JaxNNMultiHeadAttention(D, N, dtype=jdtype), "Flax layer on jax.nn.dot_product_attention")
     jax_contender(FlaxMultiHeadDotProductAttention(D, N, dtype=jdtype), "flax.linen.MultiHeadDotProductAttention")
 
@@ -167,17 +180,23 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
 
     torch.manual_seed(0)
     torch_contender(TorchSDPAMultiHeadAttention(D, N), PEER)
-    torch_contender(torch_ref.MultiHeadAttention(D, D, T, 0.0, N), "torch_ref MultiHeadAttention (the chapter's)")
+    torch_contender(torch_ref.MultiHeadAttention(D, D, T, 0.0, N), TORCH_REF)
 
     rows = []
+    flops = layer_flops(cfg)
     for mode, index in (("forward", 0), ("forward+backward", 1)):
+        load = _load()
         times = time_in_turns({name: fns[index] for name, fns in contenders.items()}, repeats)
         for name, t in times.items():
-            rows.append({"layer": name, "mode": mode, "seconds": t, "ratio_to_peer": t / times[PEER]})
+            framework = "torch" if name in (PEER, TORCH_REF) else "jax"
+            rows.append({"layer": name, "mode": mode, "seconds": t, "ratio_to_peer": t / times[PEER],
+                         "framework": framework, "gflops": flops[mode] / t / 1e9,
+                         "load_average_before": load, "load_average_after": _load()})
     return rows
 
 
 PEER = "PyTorch layer on F.scaled_dot_product_attention (peer)"
+TORCH_REF = "torch_ref MultiHeadAttention (the chapter's)"
 
 
 def layer_flops(cfg: dict) -> dict:
@@ -199,6 +218,23 @@ class _Deterministic:
 
     def apply(self, params, x):
         return self.module.apply(params, x, deterministic=True)
+
+
+class _SeparateProjections(_Deterministic):
+    """The chapter's layer with its three Q/K/V projections as three matmuls (the module itself
+    fuses them into one on kernels concatenated at call time): the fusion measured."""
+
+    def apply(self, params, x):
+        import flax_attn as fa
+        from flax_attn.layers.common import dense
+
+        m, p = self.module, params["params"]
+        b, t, _ = x.shape
+        q, k, v = (dense(p[n], x, m.precision).reshape(b, t, m.num_heads, m.head_dim)
+                   for n in ("W_query", "W_key", "W_value"))
+        ctx = fa.dot_product_attention(q, k, v, is_causal=True, precision=m.precision,
+                                       implementation=m.implementation)
+        return dense(p["out_proj"], ctx.reshape(b, t, m.d_out), m.precision)
 
 
 def _auto_choice(B, T, N, H, dtype) -> str:
@@ -389,17 +425,21 @@ def decoding(prefix: int, steps: int, repeats: int, gpu: bool) -> dict:
 
 # --------------------------------------------------------------------------- peak, report
 
-def matmul_peak_tflops(gpu: bool) -> float:
-    """The machine's dense matmul rate, measured now (bf16 8192^3 on GPU, f32 4096^3 on CPU)."""
+def matmul_peak_tflops(gpu: bool) -> dict:
+    """The machine's dense matmul rate in each framework, measured now in turns (bf16 8192^3 on
+    GPU, f32 4096^3 on CPU): ``{'jax': TFLOP/s, 'torch': TFLOP/s}``."""
     import jax
     import jax.numpy as jnp
+    import torch
 
-    n, dtype = (8192, jnp.bfloat16) if gpu else (4096, jnp.float32)
+    n, dtype, tdtype = (8192, jnp.bfloat16, torch.bfloat16) if gpu else (4096, jnp.float32, torch.float32)
     rng = np.random.default_rng(0)
-    a, b = (jnp.asarray(rng.standard_normal((n, n)), dtype) for _ in range(2))
+    host = [rng.standard_normal((n, n)).astype(np.float32) for _ in range(2)]
+    a, b = (jnp.asarray(h, dtype) for h in host)
+    ta, tb = (torch.from_numpy(h).to(device="cuda" if gpu else "cpu", dtype=tdtype) for h in host)
     f = jax.jit(lambda a, b: a @ b)
-    t = time_in_turns({"mm": lambda: f(a, b)}, repeats=5)["mm"]
-    return 2 * n ** 3 / t / 1e12
+    t = time_in_turns({"jax": lambda: f(a, b), "torch": lambda: ta @ tb}, repeats=5)
+    return {name: 2 * n ** 3 / seconds / 1e12 for name, seconds in t.items()}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -437,22 +477,34 @@ def plot(results: dict, path: Path) -> None:
 def print_report(results: dict) -> None:
     m = results["machine"]
     print(f"\nMachine: {m['device']}, {m['cpu_count']} cores, {m['memory_gib']} GiB; JAX {m['jax']}, torch {m['torch']}; "
-          f"{m['dtype']}; matmul peak measured {results['matmul_peak_tflops'] * 1000:.0f} GFLOP/s"
+          f"{m['dtype']}; matmul peak measured {_peaks_text(results)}"
           + (f" (datasheet {m['datasheet_bf16_tflops']:.0f} TFLOP/s)" if m.get("datasheet_bf16_tflops") else ""))
     c = results["gpt2_layer_config"]
     if "gpt2_layer" in results:
         print(f"\nGPT-2-small causal multi-head attention layer (batch {c['batch']}, {c['context']} tokens, "
               f"{c['d_model']} wide, {c['heads']} heads)")
         flops = layer_flops(c)
-        print(f"{'layer':<58} {'forward':>10} {'ratio':>7} {'TFLOP/s':>8} {'fwd+bwd':>10} {'ratio':>7} {'TFLOP/s':>8}")
+        peaks = results.get("matmul_peak_tflops_by_framework", {"jax": results["matmul_peak_tflops"]})
+        print(f"model FLOPs: forward {flops['forward'] / 1e9:.1f} G, forward+backward {flops['forward+backward'] / 1e9:.1f} G; "
+              f"'of peak': achieved GFLOP/s over the same framework's matmul peak")
+        print(f"{'layer':<62} {'forward':>9} {'ratio':>6} {'GFLOP/s':>8} {'of peak':>7} "
+              f"{'fwd+bwd':>9} {'ratio':>6} {'GFLOP/s':>8} {'of peak':>7}")
         by = {}
         for r in results["gpt2_layer"]:
             by.setdefault(r["layer"], {})[r["mode"]] = r
         for name, modes in by.items():
-            f, b = modes["forward"], modes["forward+backward"]
-            print(f"{name:<58} {f['seconds']:9.3f}s {f['ratio_to_peer']:6.2f}x "
-                  f"{flops['forward'] / f['seconds'] / 1e12:8.3f} {b['seconds']:9.3f}s {b['ratio_to_peer']:6.2f}x "
-                  f"{flops['forward+backward'] / b['seconds'] / 1e12:8.3f}")
+            cells = []
+            for mode in ("forward", "forward+backward"):
+                r = modes[mode]
+                rate = flops[mode] / r["seconds"] / 1e9
+                peak = peaks.get(r.get("framework", "jax"))
+                cells.append(f"{r['seconds']:8.3f}s {r['ratio_to_peer']:5.2f}x {rate:8.1f} "
+                             + (f"{rate / (peak * 1e3):7.0%}" if peak else f"{'':>7}"))
+            print(f"{name:<62} " + " ".join(cells))
+        loads = [r.get("load_average_before") for r in results["gpt2_layer"] if r.get("load_average_before")]
+        if loads:
+            print(f"load average (1 min) before the forward / forward+backward rounds: "
+                  + " / ".join(f"{l[0]:.2f}" for l in loads[::len(by)]))
     if "length_sweep" in results:
         print("\nAttention core, length sweep (1 sequence, 8 heads of 64, causal; FLOPs: causal half of QK^T and PV, "
               "backward 2.5x forward)")
@@ -462,6 +514,14 @@ def print_report(results: dict) -> None:
         d = results["decoding"]
         print(f"\nKV-cache decoding after a {d['prefix']}-token prefix: {d['cached_s_per_token'] * 1e3:.2f} ms/token "
               f"cached, {d['recompute_s_per_token'] * 1e3:.2f} ms/token recomputing the prefix: {d['speedup']:.1f}x")
+    if "decode_vs_torch" in results:
+        from benchmarks import decode
+        print("\n" + decode.report(results["decode_vs_torch"]))
+
+
+def _peaks_text(results: dict) -> str:
+    peaks = results.get("matmul_peak_tflops_by_framework", {"jax": results["matmul_peak_tflops"]})
+    return ", ".join(f"{name} {t * 1000:.0f} GFLOP/s" for name, t in peaks.items())
 
 
 def main(argv=None) -> None:
@@ -489,7 +549,9 @@ def main(argv=None) -> None:
     impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
     print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']})", flush=True)
     results = {"machine": info, "gpt2_layer_config": layer_cfg}
-    results["matmul_peak_tflops"] = matmul_peak_tflops(gpu)
+    peaks = matmul_peak_tflops(gpu)
+    results["matmul_peak_tflops"] = peaks["jax"]           # JAX's, the ceiling of the JAX figures
+    results["matmul_peak_tflops_by_framework"] = peaks
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - {"layer", "sweep", "decode"}
     if unknown:
@@ -503,6 +565,10 @@ def main(argv=None) -> None:
     if "decode" in parts:
         print("3. KV-cache decoding ...", flush=True)
         results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)
+        if not gpu:  # the PyTorch eager peer of benchmarks.decode runs on the CPU
+            from benchmarks import decode
+            results["decode_vs_torch"] = (decode.run(1, batches=(1,), prefixes=(64,)) if args.smoke
+                                          else decode.run(repeats))
     args.out.mkdir(parents=True, exist_ok=True)
     partial = "" if len(parts) == 3 else "-" + "-".join(parts)
     stem = args.out / (info["name"] + ("-smoke" if args.smoke else "") + partial)

@@ -8,6 +8,14 @@ blocks are visited with an online softmax (running maximum m, normaliser l, accu
 so the T x S weights are never stored. The mask description classifies every block as empty
 (skipped), full (computed without a mask) or partial (masked).
 
+**Parallelism.** The units may be split into ``streams`` runs (default 1; None: one per core), each an
+independent loop, which XLA's CPU runtime runs concurrently; within a run, ``unit_chunk``
+units may be computed together as one batched step (a block is then skipped only if it is
+empty for all of them, and masked if it is partial for any). Tile sizes default to the
+largest square tile whose working set fits the per-core L2 cache (:mod:`flax_attn.core.tuning`).
+The per-unit step is written once and ``jax.vmap``-ed over a chunk, so each unit still asks
+the mask description for its own block.
+
 **Derivatives.** The function is a ``jax.custom_jvp`` whose tangent rule is itself blockwise.
 With ``p = e^(s - m) / l`` recomputed from the saved ``m`` and ``l`` and ``ds`` the tangent of
 the logits,
@@ -34,7 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flax_attn.core import numerics
+from flax_attn import _checks
+from flax_attn.core import numerics, tuning
 from flax_attn.core.mask import EMPTY, FULL, PARTIAL
 from flax_attn.core.registry import Implementation, Result
 
@@ -43,17 +52,38 @@ from flax_attn.core.registry import Implementation, Result
 class Blockwise(Implementation):
     """Flash-style attention; no dropout, no returned weights.
 
-    Fields are the tuning knobs. The derivative passes use the forward's blocks, so that they
-    recompute bit for bit the logits the forward saw (at logits of 6e4 one rounding step of a
-    logit moves a weight by 0.4%, and gradients are differences of weights). On a 2-core AVX-512
-    CPU (64-dim heads, causal, batch 8 x 1024 tokens and 8 x 4096 tokens) 256 x 256 blocks were
-    within 12% of the fastest forward and fastest forward+backward of the block sizes tried.
+    Fields are the tuning knobs; every setting computes the same function. The derivative
+    passes use the forward's blocks, so that they recompute bit for bit the logits the forward
+    saw (at logits of 6e4 one rounding step of a logit moves a weight by 0.4%, and gradients
+    are differences of weights).
+
+    Fields:
+      block_q, block_k: the tile of queries x keys visited per step. None: the largest square
+        tile whose working set fits the per-core L2 cache (:func:`flax_attn.core.tuning.block_sizes`;
+        256 x 256 for 64-dim float32 heads on a 1 MiB L2).
+      unit_chunk: how many (batch row, key/value head) units one step computes together (one
+        batched matmul over them); the largest divisor of B*K up to this.
+      streams: the units split into this many independent loops, which XLA's CPU runtime may run
+        concurrently (default 1: no gain was measured on a shared 2-core CPU); None: the cores
+        this process may use (:func:`flax_attn.core.tuning.cpu_cores`).
+      min_length: the automatic choice takes it on CPU once T and S reach this.
     """
 
     name: str = "blockwise"
-    block_q: int = 256
-    block_k: int = 256
+    block_q: Optional[int] = None
+    block_k: Optional[int] = None
+    unit_chunk: int = 1
+    streams: Optional[int] = 1
     min_length: int = 128         # the automatic choice takes it on CPU once T and S reach this
+
+    def __post_init__(self):
+        for field in ("block_q", "block_k"):
+            value = getattr(self, field)
+            if value is not None:
+                _checks.check_positive_int(f"Blockwise {field}", value)
+        _checks.check_positive_int("Blockwise unit_chunk", self.unit_chunk)
+        if self.streams is not None:
+            _checks.check_positive_int("Blockwise streams", self.streams)
 
     def supports(self, call) -> Optional[str]:
         if call.dropout_rate > 0.0:
@@ -96,12 +126,17 @@ class _Spec:
     G: int
     bq: int
     bk: int
+    chunk: int
+    streams: int
 
     @classmethod
     def of(cls, call, impl: Blockwise) -> "_Spec":
-        bq = min(call.T, impl.block_q)
-        bk = min(call.S, impl.block_k)
-        return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk)
+        tq, tk = tuning.block_sizes(call.H, call.Hv, jnp.dtype(call.dtype).itemsize)
+        bq = min(call.T, tq if impl.block_q is None else impl.block_q)
+        bk = min(call.S, tk if impl.block_k is None else impl.block_k)
+        return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
+                   _divisor(call.B, call.K, impl.unit_chunk),
+                   tuning.cpu_cores() if impl.streams is None else impl.streams)
 
     @property
     def Tp(self):
@@ -110,6 +145,13 @@ class _Spec:
     @property
     def Sp(self):
         return -(-self.S // self.bk) * self.bk
+
+
+def _divisor(B, K, want: int) -> int:
+    """The largest chunk of units at most ``want`` that divides the B*K units (of K alone when
+    the batch is symbolic, under ``jax.export``)."""
+    total = B * K if isinstance(B, int) else K
+    return max(c for c in range(1, max(1, min(want, total)) + 1) if total % c == 0)
 
 
 def _to_units(spec, q, k, v):
@@ -135,6 +177,7 @@ def _block_logits(spec, mask, u, qi, kj, i, j, bk, masked):
     b, heads = u // spec.K, ((u % spec.K) * spec.G, spec.G)
     raw = jnp.einsum("gqh,kh->gqk", qi, kj, precision=spec.precision, preferred_element_type=acc)
     s = numerics.finish_logits(spec, raw, mask.block_bias(b, heads, i * spec.bq, spec.bq, j * bk, bk))
+    s = mask.block_scores(s, b, heads, i * spec.bq, spec.bq, j * bk, bk)  # a user's score_mod, if any
     if masked:
         s = jnp.where(mask.block(b, heads, i * spec.bq, spec.bq, j * bk, bk), s, -jnp.inf)
     return s
@@ -145,47 +188,84 @@ def _kind(spec, mask, u, i, j, bk):
     return mask.block_kind(b, heads, i * spec.bq, spec.bq, j * bk, bk)
 
 
+def _chunk_kind(spec, mask, uc, i, j, bk):
+    """The kind of block (i, j) for a chunk of units ``uc`` (C,): EMPTY if it is empty for every
+    unit, FULL if full for every unit, else PARTIAL (the mask then blocks what each unit may not see)."""
+    kinds = jax.vmap(lambda u: _kind(spec, mask, u, i, j, bk))(uc)
+    return jnp.where(jnp.all(kinds == EMPTY), EMPTY, jnp.where(jnp.all(kinds == FULL), FULL, PARTIAL))
+
+
+def _chunked(spec, *xs):
+    """(U, ...) -> (U // C, C, ...): the units in chunks of ``spec.chunk``, computed together."""
+    return tuple(x.reshape((-1, spec.chunk) + x.shape[1:]) for x in xs)
+
+
+def _unchunked(*xs):
+    return tuple(x.reshape((-1,) + x.shape[2:]) for x in xs)
+
+
+def _map_units(spec, f, xs):
+    """``f`` over the units in chunks of ``spec.chunk``, as ``spec.streams`` independent loops
+    over consecutive runs of chunks (XLA's CPU runtime runs independent loops concurrently,
+    on the threads of its pool)."""
+    chunks = _chunked(spec, *xs)
+    n = chunks[0].shape[0]
+    P = min(spec.streams, n) if isinstance(n, int) else 1  # a symbolic batch: one loop
+    if P == 1:
+        return _unchunked(*lax.map(f, chunks))
+    edges = [round(p * n / P) for p in range(P + 1)]
+    parts = [lax.map(f, tuple(x[a:b] for x in chunks)) for a, b in zip(edges[:-1], edges[1:])]
+    return _unchunked(*(jnp.concatenate(outs, axis=0) for outs in zip(*parts)))
+
+
 def _forward(spec, mask, qu, ku, vu):
     """Online softmax over every unit: out (U, G, Tp, Hv), m and l (U, G, Tp)."""
     G, bq, bk = spec.G, spec.bq, spec.bk
     acc_t = jnp.promote_types(qu.dtype, jnp.float32)
 
-    def unit(args):
-        u, q, k, v = args
+    def update(i, j, masked):
+        """Key block j for one unit's query block i: the online-softmax update of its (G, bq) rows."""
+        def f(u, qi, k, v, m, l, acc):
+            kj = lax.dynamic_slice_in_dim(k, j * bk, bk)
+            vj = lax.dynamic_slice_in_dim(v, j * bk, bk)
+            s = _block_logits(spec, mask, u, qi, kj, i, j, bk, masked)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m - m_safe)
+            pv = jnp.einsum("gqk,kh->gqh", p.astype(v.dtype), vj, precision=spec.precision,
+                            preferred_element_type=acc_t)
+            return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+        return f
+
+    def chunk(args):
+        uc, q, k, v = args  # (C,), (C, G, Tp, H), (C, Sp, H), (C, Sp, Hv)
 
         def q_block(i):
-            qi = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
+            qi = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=2)
 
             def visit(masked):
                 def f(j, state):
-                    m, l, acc = state
-                    kj = lax.dynamic_slice_in_dim(k, j * bk, bk)
-                    vj = lax.dynamic_slice_in_dim(v, j * bk, bk)
-                    s = _block_logits(spec, mask, u, qi, kj, i, j, bk, masked)
-                    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                    p = jnp.exp(s - m_safe[..., None])
-                    alpha = jnp.exp(m - m_safe)
-                    pv = jnp.einsum("gqk,kh->gqh", p.astype(v.dtype), vj, precision=spec.precision,
-                                    preferred_element_type=acc_t)
-                    return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+                    return jax.vmap(update(i, j, masked))(uc, qi, k, v, *state)
                 return f
 
             def body(j, state):
-                return lax.switch(_kind(spec, mask, u, i, j, bk),
+                return lax.switch(_chunk_kind(spec, mask, uc, i, j, bk),
                                   [lambda j, st: st, visit(False), visit(True)], j, state)
 
-            state = (jnp.full((G, bq), -jnp.inf, acc_t), jnp.zeros((G, bq), acc_t),
-                     jnp.zeros((G, bq, v.shape[-1]), acc_t))
+            C = uc.shape[0]
+            state = (jnp.full((C, G, bq), -jnp.inf, acc_t), jnp.zeros((C, G, bq), acc_t),
+                     jnp.zeros((C, G, bq, v.shape[-1]), acc_t))
             m, l, acc = lax.fori_loop(0, spec.Sp // bk, body, state)
             out = acc / jnp.where(l == 0, 1.0, l)[..., None]
             return out, jnp.where(l > 0, m, 0.0), l
 
         out, m, l = lax.map(q_block, jnp.arange(spec.Tp // bq))
-        join = lambda x: jnp.moveaxis(x, 0, 1).reshape((G, spec.Tp) + x.shape[3:])
+        join = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1:3] + (spec.Tp,) + x.shape[4:])
         return join(out).astype(q.dtype), join(m), join(l)
 
-    return lax.map(unit, (jnp.arange(qu.shape[0]), qu, ku, vu))
+    units = jnp.arange(qu.shape[0], dtype=jnp.int32)
+    return _map_units(spec, chunk, (units, qu, ku, vu))
 
 
 def _tangent(spec, mask, mask_dot, qu, ku, vu, m, l, ou, qd, kd, vd):
@@ -200,50 +280,60 @@ def _tangent(spec, mask, mask_dot, qu, ku, vu, m, l, ou, qd, kd, vd):
     acc_t = jnp.promote_types(qu.dtype, jnp.float32)
     mm = functools.partial(jnp.einsum, precision=spec.precision, preferred_element_type=acc_t)
     inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-    blocks = lambda x: x.reshape((nk, bk) + x.shape[1:])
+    blocks = lambda x: jnp.moveaxis(x.reshape((x.shape[0], nk, bk) + x.shape[2:]), 1, 0)  # (nk, C, bk, ...)
 
-    def unit(args):
-        u, q, k, v, m_u, il_u, o_u, q_d, k_d, v_d = args
-        b, heads = u // spec.K, ((u % spec.K) * G, G)
+    def visit(i, masked):
+        """Key block j for one unit's query block i: its part of (out', c)."""
+        def f(u, qi, qdi, mi, ili, j, kj, vj, kdj, vdj):
+            b, heads = u // spec.K, ((u % spec.K) * G, G)
+            s = _block_logits(spec, mask, u, qi, kj, i, j, bk, masked)
+            p = jnp.exp(s - mi[..., None]) * ili[..., None]
+            ds = (mm("gqh,kh->gqk", qdi, kj) + mm("gqh,kh->gqk", qi, kdj)) * jnp.asarray(spec.scale, acc_t)
+            if spec.softcap is not None:
+                raw = mm("gqh,kh->gqk", qi, kj) * jnp.asarray(spec.scale, acc_t)
+                ds = ds * (1.0 - jnp.tanh(raw / spec.softcap) ** 2)
+            bias_d = mask_dot.block_bias(b, heads, i * bq, bq, j * bk, bk)
+            if bias_d is not None:
+                ds = ds + bias_d.astype(acc_t)
+            ds = mask.block_scores_jvp(mask_dot, spec, qi, kj, ds, b, heads, i * bq, bq, j * bk, bk)
+            pds = p * ds
+            a = mm("gqk,kh->gqh", p.astype(vdj.dtype), vdj) + mm("gqk,kh->gqh", pds.astype(vj.dtype), vj)
+            return a, jnp.sum(pds, axis=-1)
+        return f
+
+    def chunk(args):
+        uc, q, k, v, m_u, il_u, o_u, q_d, k_d, v_d = args  # C units each
+        C = uc.shape[0]
 
         @jax.checkpoint
         def q_block(i):
-            sl = lambda x: lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
+            sl = lambda x: lax.dynamic_slice_in_dim(x, i * bq, bq, axis=2)
             qi, qdi, mi, ili = sl(q), sl(q_d), sl(m_u), sl(il_u)
 
-            def visit(masked):
+            def run(masked):
                 def f(j, kj, vj, kdj, vdj):
-                    s = _block_logits(spec, mask, u, qi, kj, i, j, bk, masked)
-                    p = jnp.exp(s - mi[..., None]) * ili[..., None]
-                    ds = (mm("gqh,kh->gqk", qdi, kj) + mm("gqh,kh->gqk", qi, kdj)) * jnp.asarray(spec.scale, acc_t)
-                    if spec.softcap is not None:
-                        raw = mm("gqh,kh->gqk", qi, kj) * jnp.asarray(spec.scale, acc_t)
-                        ds = ds * (1.0 - jnp.tanh(raw / spec.softcap) ** 2)
-                    bias_d = mask_dot.block_bias(b, heads, i * bq, bq, j * bk, bk)
-                    if bias_d is not None:
-                        ds = ds + bias_d.astype(acc_t)
-                    pds = p * ds
-                    a = mm("gqk,kh->gqh", p.astype(vdj.dtype), vdj) + mm("gqk,kh->gqh", pds.astype(vj.dtype), vj)
-                    return a, jnp.sum(pds, axis=-1)
+                    return jax.vmap(visit(i, masked), in_axes=(0, 0, 0, 0, 0, None, 0, 0, 0, 0))(
+                        uc, qi, qdi, mi, ili, j, kj, vj, kdj, vdj)
                 return f
 
             def zero(*_):
-                return jnp.zeros((G, bq, v.shape[-1]), acc_t), jnp.zeros((G, bq), acc_t)
+                return jnp.zeros((C, G, bq, v.shape[-1]), acc_t), jnp.zeros((C, G, bq), acc_t)
 
             @jax.checkpoint
             def body(carry, xs):
                 j = xs[0]
-                a, c = lax.switch(_kind(spec, mask, u, i, j, bk), [zero, visit(False), visit(True)], *xs)
+                a, c = lax.switch(_chunk_kind(spec, mask, uc, i, j, bk), [zero, run(False), run(True)], *xs)
                 return (carry[0] + a, carry[1] + c), None
 
             (a, c), _ = lax.scan(body, zero(), (jnp.arange(nk), blocks(k), blocks(v), blocks(k_d), blocks(v_d)))
             return a - c[..., None] * sl(o_u).astype(acc_t), c
 
         od, c = lax.map(q_block, jnp.arange(spec.Tp // bq))
-        join = lambda x: jnp.moveaxis(x, 0, 1).reshape((G, spec.Tp) + x.shape[3:])
+        join = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1:3] + (spec.Tp,) + x.shape[4:])
         return join(od), join(c)
 
-    return lax.map(unit, (jnp.arange(qu.shape[0]), qu, ku, vu, m, inv_l, ou, qd, kd, vd))
+    units = jnp.arange(qu.shape[0], dtype=jnp.int32)
+    return _map_units(spec, chunk, (units, qu, ku, vu, m, inv_l, ou, qd, kd, vd))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -257,6 +347,6 @@ def _attention_jvp(spec, treedef, primals, tangents):
     qd, kd, vd, *leaves_dot = tangents
     ou, m, l = _attention(spec, treedef, qu, ku, vu, *leaves)
     mask = jax.tree_util.tree_unflatten(treedef, leaves)
-    mask_dot = dataclasses.replace(mask, bias=jax.tree_util.tree_unflatten(treedef, leaves_dot).bias)
+    mask_dot = mask.with_tangents(jax.tree_util.tree_unflatten(treedef, leaves_dot))
     od, c = _tangent(spec, mask, mask_dot, qu, ku, vu, m, l, ou, qd, kd, vd)
     return (ou, m, l), (od.astype(ou.dtype), jnp.zeros_like(m), c * l)

@@ -160,3 +160,51 @@ def test_memory_grows_linearly_for_blockwise_quadratically_for_xla():
     assert xla > 3.5, f"the plain path grew only {xla:.2f}x"
 
 
+
+
+# Units (batch row, key/value head) computed together and in independent loops: the block kind
+# is then the one of the whole chunk, so rules that differ between batch rows (lengths,
+# segments, a per-row mask) make a block partial for some units and empty or full for others.
+CHUNKED = Blockwise(block_q=8, block_k=8, unit_chunk=2, streams=2)
+
+
+@pytest.mark.parametrize("feature", ["causal", "lengths", "segments", "mask-bias-softcap"])
+def test_blockwise_units_in_chunks_and_streams_equal_reference(feature):
+    _check_blockwise(feature, "T<S", (4, 2), np.float64, CHUNKED)
+
+
+def test_blockwise_chunk_not_dividing_units_and_forward_mode():
+    # B*K = 3 units: a chunk of 2 does not divide them (one unit at a time is used instead), and
+    # 3 streams of one unit each; the rows have different key lengths.
+    q, k, v, _, _ = _case("none", B=3, T=20, S=20, N=2, K=1)
+    lengths = jnp.asarray([20, 9, 3], jnp.int32)
+    impl = Blockwise(block_q=8, block_k=8, unit_chunk=2, streams=3)
+    f = lambda impl: lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                                              implementation=impl)
+    args = tuple(map(jnp.asarray, (q, k, v)))
+    tangents = tuple(jnp.asarray(np.random.default_rng(3).standard_normal(x.shape)) for x in args)
+    ref = jax.jvp(f("xla"), args, tangents)
+    out = jax.jvp(f(impl), args, tangents)
+    assert_close(out[0], ref[0], np.float64, "output")
+    assert_close(out[1], ref[1], np.float64, "jvp")
+
+
+@pytest.mark.parametrize("field", ["block_q", "block_k", "unit_chunk", "streams"])
+def test_blockwise_rejects_bad_knobs(field):
+    with pytest.raises(ValueError, match=f"Blockwise {field} must be a positive integer, got 0"):
+        Blockwise(**{field: 0})
+
+
+def test_block_sizes_fit_the_cache():
+    from flax_attn.core import tuning
+
+    assert tuning._parse_size("1024K") == 1 << 20 and tuning._parse_size("2M") == 2 << 20
+    assert tuning._parse_size("48K\n") == 48 << 10 and tuning._parse_size("?") is None
+    # 64-dim float32 heads: 256 x 256 needs 4 (2*256*256 + 256*64) + 4 (3*256*64) = 768 KiB
+    assert tuning.working_set_bytes(256, 256, 64, 64, 4) == 768 * 1024
+    assert tuning.block_sizes(64, 64, 4, cache_bytes=1 << 20) == (256, 256)
+    assert tuning.block_sizes(64, 64, 4, cache_bytes=768 * 1024 - 1) == (128, 128)
+    assert tuning.block_sizes(64, 64, 4, cache_bytes=4 << 20) == (512, 512)
+    assert tuning.block_sizes(64, 64, 4, cache_bytes=1024) == (64, 64)   # nothing fits: the smallest
+    assert tuning.block_sizes(128, 128, 2, cache_bytes=1 << 20) == (256, 256)
+    assert tuning.l2_cache_bytes() > 0
