@@ -30,7 +30,8 @@ from flax_attn.layers.flax_hook import flax_attention_fn
 from flax_attn.core import dot_product_attention, dropout, masked_softmax
 from flax_attn.core import mask as masks
 from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
-from flax_attn.layers import Attention, AttentionConfig, KVCache, LearnedPositionalEmbedding
+from flax_attn.layers import (Attention, AttentionConfig, KVCache, LatentKVCache, LearnedPositionalEmbedding,
+                              MLAConfig, MultiHeadLatentAttention, decode_step, mla_forward, mla_params)
 from flax_attn.positional import (
     RopeScaling,
     alibi_bias,
@@ -60,7 +61,13 @@ __all__ = [
     "Attention",
     "AttentionConfig",
     "KVCache",
+    "LatentKVCache",
     "LearnedPositionalEmbedding",
+    "MLAConfig",
+    "MultiHeadLatentAttention",
+    "decode_step",
+    "mla_forward",
+    "mla_params",
     "RopeScaling",
     "alibi",
     "alibi_bias",

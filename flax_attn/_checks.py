@@ -106,11 +106,13 @@ def runtime_check(ok, message: str, **values) -> None:
     For conditions on values that are only known when the program runs (a cache's fill level
     under ``jax.jit``): with concrete values it raises at once; with traced ones it plants a
     callback that raises when the compiled program runs (surfacing as a runtime error that
-    carries the message).
+    carries the message). The callback sits in the failing branch of a ``lax.cond``, so a
+    program in which all is well (a decoding step) never calls back to the host.
     """
     import jax
 
     if isinstance(ok, jax.core.Tracer) or any(isinstance(v, jax.core.Tracer) for v in values.values()):
-        jax.debug.callback(_raise_unless, ok, message=message, **values)
+        jax.lax.cond(ok, lambda: None,
+                     lambda: jax.debug.callback(_raise_unless, ok, message=message, **values))
     else:
         _raise_unless(ok, message=message, **values)

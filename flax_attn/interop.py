@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from flax_attn.layers import Attention, LearnedPositionalEmbedding
+from flax_attn.layers import Attention, LearnedPositionalEmbedding, MultiHeadLatentAttention
 from flax_attn.textbook import (
     CausalAttention,
     MultiHeadAttention,
@@ -386,3 +386,9 @@ register_twin(LearnedPositionalEmbedding, torch="torch_ref.modern.LearnedPositio
 register_twin(Attention, torch="torch_ref.modern.Attention", kwargs=lambda m: dataclasses.asdict(m.config),
               example_inputs=lambda m: (jnp.zeros((1, 1, m.config.d_model), m.param_dtype),),
               example_kwargs=lambda m: {"positions": jnp.zeros((1, 1), jnp.int32), "deterministic": True})
+# MLAConfig's fields are torch_ref.mla.MultiHeadLatentAttention's keyword arguments.
+register_twin(MultiHeadLatentAttention, torch="torch_ref.mla.MultiHeadLatentAttention",
+              kwargs=lambda m: dataclasses.asdict(m.config),
+              example_inputs=lambda m: (jnp.zeros((1, 1, m.config.d_model), m.param_dtype),
+                                        jnp.zeros((1, 1), jnp.int32)),
+              example_kwargs=_deterministic)

@@ -29,3 +29,4 @@ def test_benchmark_suite_runs(tmp_path):
     written = sorted(p.suffix for p in tmp_path.iterdir())
     assert written == [".json", ".png"]
     assert "KV-cache decoding" in result.stdout
+    assert "KV-cache decode step" in result.stdout  # against PyTorch eager (benchmarks.decode)

@@ -73,7 +73,8 @@ def test_twins_are_registered_by_name_and_built_by_torch_ref():
     scaled = fa.Attention(fa.AttentionConfig(d_model=16, num_heads=4, rope_scaling=fa.RopeScaling("linear", 2.0)))
     assert interop.twin_of(scaled).kwargs(scaled)["rope_scaling"] == {
         "kind": "linear", "factor": 2.0, "original_max_position_embeddings": None, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None}
+        "high_freq_factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None,
+        "mscale_all_dim": None, "truncate": True, "short_factor": None, "long_factor": None}
 
     class Subclass(fa.MultiHeadAttention):
         pass
@@ -151,6 +152,9 @@ def test_to_torch_rejects_params_of_another_configuration():
 @pytest.mark.parametrize("cfg", [
     {"num_kv_heads": 2, "qk_norm": True, "qkv_bias": True, "out_bias": True},
     {"position": "t5", "causal": False},
+    {"num_kv_heads": 2, "sinks": True, "qkv_bias": (True, False, True), "qk_norm": True, "qk_norm_type": "layer",
+     "qk_norm_scope": "per_head", "qk_norm_bias": True, "qk_norm_zero_centered": True},
+    {"qk_norm": True, "qk_norm_scope": "projection"},
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_attention_layer_round_trip(cfg, dtype):
@@ -164,6 +168,10 @@ def test_attention_layer_round_trip(cfg, dtype):
     variables = fa.from_torch_state_dict(layer, sd)
     if cfg.get("qk_norm"):
         np.testing.assert_array_equal(variables["params"]["q_norm"]["scale"], sd["q_norm.weight"])
+    if cfg.get("qk_norm_bias"):
+        np.testing.assert_array_equal(variables["params"]["k_norm"]["bias"], sd["k_norm.bias"])
+    if cfg.get("sinks"):
+        np.testing.assert_array_equal(variables["params"]["sinks"], sd["sinks"])
     if cfg.get("position") == "t5":
         np.testing.assert_array_equal(variables["params"]["rel_bias"]["embedding"], sd["rel_bias.weight"])
     back = fa.to_torch_state_dict(layer, variables)

@@ -87,3 +87,4 @@ __all__ = [
 ]
 
 from torch_ref import modern  # noqa: E402  (the modern variants' references)
+from torch_ref import mla  # noqa: E402  (multi-head latent attention)

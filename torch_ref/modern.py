@@ -184,11 +184,13 @@ def t5_relative_position_bucket(relative_position, bidirectional=True, num_bucke
 
 # --------------------------------------------------------------------------- attention
 
-def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap=None):
+def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap=None, sinks=None):
     """``softmax(scale * q k^T [capped] + bias, allowed) v`` with q ``(B, T, N, H)``, k/v ``(B, S, K, H)``.
 
     Key/value heads are repeated to N. ``allowed``: boolean broadcastable to ``(B, N, T, S)``.
-    A query with nothing allowed returns zeros (the convention flax_attn keeps).
+    A query with nothing allowed returns zeros (the convention flax_attn keeps). ``sinks``
+    ``(N,)``: as gpt-oss, each head's sink logit is appended as one more column of the scores,
+    the softmax taken over all columns, and the sink's column dropped.
     """
     N, K = q.shape[2], k.shape[2]
     k = k.repeat_interleave(N // K, dim=2)
@@ -199,6 +201,13 @@ def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap
         scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
         scores = scores + bias
+    if sinks is not None:
+        B, _, T, S = scores.shape
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed.expand(scores.shape), float("-inf"))
+        sink_column = sinks.to(scores.dtype)[None, :, None, None].expand(B, -1, T, 1)
+        weights = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :S]
+        return torch.einsum("bnts,bsnh->btnh", weights, v), weights
     if allowed is not None:
         allowed = allowed.expand(scores.shape)
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -234,13 +243,97 @@ class LearnedPositionalEmbedding(nn.Module):
         return self.wpe(positions)
 
 
+class OLMo2ProjectionNorm(nn.RMSNorm):
+    """OLMo 2's QK-norm: an RMSNorm over the whole query (or key) projection, ``N*H`` features,
+    applied before the projection is split into heads."""
+
+
+class PhiQKLayerNorm(nn.LayerNorm):
+    """Phi's ``qk_layernorm``: a LayerNorm (weight and bias) over each head's ``H`` features,
+    one set of parameters shared by all heads."""
+
+
+class CohereHeadLayerNorm(nn.Module):
+    """Cohere's ``use_qk_norm``: a LayerNorm without bias over each head's features, with one
+    weight row per head: ``weight`` ``(heads, H)``, input ``(B, T, heads, H)``."""
+
+    def __init__(self, heads, head_dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads, head_dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))
+        centred = x - x.mean(-1, keepdim=True)
+        variance = (centred * centred).mean(-1, keepdim=True)
+        x = centred * torch.rsqrt(variance + self.eps)
+        return (self.weight.to(x.dtype) * x).to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, computed in float32 (or
+    wider), ``weight`` stored zero-centred (zeros make the identity scale)."""
+
+    def __init__(self, shape, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shape))
+        self.eps = eps
+
+    def forward(self, x):
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(compute))).to(x.dtype)
+
+
+class GeneralQKNorm(nn.Module):
+    """The QK-norm combinations no published model above uses, from the definitions: RMSNorm or
+    LayerNorm over the last axis, ``weight`` of ``shape`` (applied as ``1 + weight`` when
+    zero-centred), and an optional ``bias``."""
+
+    def __init__(self, shape, eps, kind, bias, zero_centered):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shape) if zero_centered else torch.ones(shape))
+        self.bias = nn.Parameter(torch.zeros(shape)) if bias else None
+        self.eps, self.kind, self.zero_centered = eps, kind, zero_centered
+
+    def forward(self, x):
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute)
+        if self.kind == "layer":
+            h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.to(compute)
+        h = h * (1.0 + w if self.zero_centered else w)
+        if self.bias is not None:
+            h = h + self.bias
+        return h.to(x.dtype)
+
+
+def make_qk_norm(features, heads, head_dim, *, eps, kind, scope, bias, zero_centered):
+    """The QK-norm module of one side (queries: ``heads = N``; keys: ``K``); ``features = heads * head_dim``."""
+    shape = {"head": (head_dim,), "per_head": (heads, head_dim), "projection": (features,)}[scope]
+    if kind == "rms" and not bias and not zero_centered:
+        return OLMo2ProjectionNorm(features, eps=eps) if scope == "projection" else \
+            (nn.RMSNorm(head_dim, eps=eps) if scope == "head" else GeneralQKNorm(shape, eps, kind, bias, False))
+    if kind == "layer" and scope == "head" and bias and not zero_centered:
+        return PhiQKLayerNorm(head_dim, eps=eps)
+    if kind == "layer" and scope == "per_head" and not bias and not zero_centered:
+        return CohereHeadLayerNorm(heads, head_dim, eps)
+    if kind == "rms" and zero_centered and not bias:
+        return GemmaRMSNorm(shape, eps)
+    return GeneralQKNorm(shape, eps, kind, bias, zero_centered)
+
+
 class Attention(nn.Module):
     """The configurable layer: the keyword arguments are ``flax_attn.AttentionConfig``'s fields."""
 
     def __init__(self, d_model, num_heads, num_kv_heads=None, head_dim=None, causal=True, sliding_window=None,
                  position="rope", rope_theta=10000.0, rope_layout="rotate_half", rotary_dim=None,
                  rope_scaling=None, t5_num_buckets=32, t5_max_distance=128, qk_norm=False, qk_norm_eps=1e-6,
-                 logit_softcap=None, qkv_bias=False, out_bias=False, dropout=0.0, scale=None):
+                 qk_norm_type="rms", qk_norm_scope="head", qk_norm_bias=False, qk_norm_zero_centered=False,
+                 logit_softcap=None, qkv_bias=False, out_bias=False, sinks=False, dropout=0.0, scale=None):
         super().__init__()
         self.N = num_heads
         self.K = num_heads if num_kv_heads is None else num_kv_heads
@@ -249,14 +342,19 @@ class Attention(nn.Module):
         self.rope = dict(theta=rope_theta, layout=rope_layout, rotary_dim=rotary_dim, scaling=rope_scaling)
         self.t5 = dict(num_buckets=t5_num_buckets, max_distance=t5_max_distance, bidirectional=not causal)
         self.softcap, self.scale = logit_softcap, scale
-        self.q_proj = nn.Linear(d_model, self.N * self.H, bias=qkv_bias)
-        self.k_proj = nn.Linear(d_model, self.K * self.H, bias=qkv_bias)
-        self.v_proj = nn.Linear(d_model, self.K * self.H, bias=qkv_bias)
+        q_bias, k_bias, v_bias = (qkv_bias,) * 3 if isinstance(qkv_bias, bool) else tuple(qkv_bias)
+        self.q_proj = nn.Linear(d_model, self.N * self.H, bias=q_bias)
+        self.k_proj = nn.Linear(d_model, self.K * self.H, bias=k_bias)
+        self.v_proj = nn.Linear(d_model, self.K * self.H, bias=v_bias)
         self.o_proj = nn.Linear(self.N * self.H, d_model, bias=out_bias)
         if qk_norm:
-            self.q_norm = nn.RMSNorm(self.H, eps=qk_norm_eps)
-            self.k_norm = nn.RMSNorm(self.H, eps=qk_norm_eps)
-        self.qk_norm = qk_norm
+            options = dict(eps=qk_norm_eps, kind=qk_norm_type, scope=qk_norm_scope, bias=qk_norm_bias,
+                           zero_centered=qk_norm_zero_centered)
+            self.q_norm = make_qk_norm(self.N * self.H, self.N, self.H, **options)
+            self.k_norm = make_qk_norm(self.K * self.H, self.K, self.H, **options)
+        self.qk_norm, self.norm_before_split = qk_norm, qk_norm and qk_norm_scope == "projection"
+        # gpt-oss: one learned sink logit per query head.
+        self.sinks = nn.Parameter(torch.randn(self.N)) if sinks else None
         if position == "t5":
             self.rel_bias = nn.Embedding(t5_num_buckets, self.N)
         self.dropout = nn.Dropout(dropout)
@@ -268,10 +366,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         source = x if context is None else context
         S = source.shape[1]
-        q = self.q_proj(x).view(B, T, self.N, self.H)
-        k = self.k_proj(source).view(B, S, self.K, self.H)
+        q, k = self.q_proj(x), self.k_proj(source)
+        if self.norm_before_split:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, T, self.N, self.H), k.view(B, S, self.K, self.H)
         v = self.v_proj(source).view(B, S, self.K, self.H)
-        if self.qk_norm:
+        if self.qk_norm and not self.norm_before_split:
             q, k = self.q_norm(q), self.k_norm(k)
         k_pos = positions if context is None else context_positions
         k_seg = segment_ids if context is None else context_segment_ids
@@ -301,6 +401,7 @@ class Attention(nn.Module):
         elif self.position == "t5":
             buckets = t5_relative_position_bucket(k_pos[:, None, :] - positions[:, :, None], **self.t5)
             bias = self.rel_bias(buckets).permute(0, 3, 1, 2)
-        out, weights = reference_attention(q, k, v, allowed=allowed, bias=bias, scale=self.scale, softcap=self.softcap)
+        out, weights = reference_attention(q, k, v, allowed=allowed, bias=bias, scale=self.scale, softcap=self.softcap,
+                                           sinks=self.sinks)
         out = self.o_proj(out.reshape(B, T, self.N * self.H))
         return out if cache is None else (out, new_cache)

@@ -1,7 +1,10 @@
 """The plain path: materialises the ``(B, N, T, S)`` logits; serves every call.
 
 Grouped-query attention without repeating keys: the G query heads of each key/value head are
-folded into its query axis, ``BKRH,BSKH->BKRS`` with R = G*T (MHA: G = 1, MQA: K = 1).
+folded into its query axis, and batch and key/value heads into one axis U = B*K:
+``URH,USH->URS`` with R = G*T (MHA: G = 1, MQA: K = 1). Keys and values are read as
+``(B*K, S, H)``: a KV cache stored that way (``KVCache(layout='BKSH')``) is read in place, and no
+axis of size 1 (a batch of one) makes XLA copy a cache around its in-place update.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ class XLA(Implementation):
         B, T, N, H = query.shape
         S, K, G = call.S, call.K, call.G
         acc = call.acc_dtype
-        q = numerics.group_queries(query, K).reshape(B, K, G * T, H)
-        raw = jnp.einsum("BKRH,BSKH->BKRS", q, key, precision=call.precision, preferred_element_type=acc)
+        U = B * K
+        q = numerics.group_queries(query, K).reshape(U, G * T, H)
+        units = lambda x: jnp.swapaxes(x, 1, 2).reshape(U, S, x.shape[-1])  # (B, S, K, .) -> (B*K, S, .)
+        raw = jnp.einsum("URH,USH->URS", q, units(key), precision=call.precision, preferred_element_type=acc)
         bias = None if call.mask.bias is None else numerics.group_heads(call.mask.bias, K)
         logits = numerics.finish_logits(call, raw.reshape(B, K, G, T, S), bias)
         allowed = call.mask.dense_mask()
@@ -30,7 +35,7 @@ class XLA(Implementation):
         weights, lse = numerics.softmax_parts(logits, allowed)
         if call.dropout_rate > 0.0:
             weights = numerics.dropout(weights, call.dropout_rate, dropout_rng)
-        out = jnp.einsum("BKRS,BSKH->BKRH", weights.astype(value.dtype).reshape(B, K, G * T, S), value,
+        out = jnp.einsum("URS,USH->URH", weights.astype(value.dtype).reshape(U, G * T, S), units(value),
                          precision=call.precision, preferred_element_type=acc)
         out = numerics.ungroup(out.reshape(B, K, G, T, -1)).astype(query.dtype)
         return Result(

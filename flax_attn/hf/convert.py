@@ -5,9 +5,11 @@ mapping of names to arrays) and returns every attention layer as an :class:`HFAt
 its :class:`~flax_attn.AttentionConfig` and its Flax params. :func:`to_hf_weights` writes
 params back under the Hugging Face names. Both are exact: a fused projection is split and
 re-fused by index (:func:`fused_indices`), ``nn.Linear`` weights ``(out, in)`` become kernels
-``(in, out)`` (``Conv1D`` weights are already ``(in, out)``), Gemma's ``1 + w`` norm weights
-become ``scale = 1 + w``, a projection without bias next to biased ones (Whisper's ``k_proj``)
-gets a zero bias, and T5's relative bias table (layer 0 of each stack) is given to each layer.
+``(in, out)`` (``Conv1D`` weights are already ``(in, out)``), norm weights are kept as stored,
+the config saying how they apply (Gemma's ``w``, applied as ``1 + w``, loads into a layer with
+``qk_norm_zero_centered=True``), each projection has a bias exactly when the checkpoint has one
+(Whisper's ``k_proj`` has none: ``qkv_bias=(True, False, True)``), gpt-oss's ``sinks`` become
+the layer's ``sinks``, and T5's relative bias table (layer 0 of each stack) is given to each layer.
 """
 from __future__ import annotations
 
@@ -199,23 +201,30 @@ def _layer_params(family, config, cfg: AttentionConfig, prefix: str, take: _Take
         raw = {n: (g(f"{getattr(family, n)}.weight"), g(f"{getattr(family, n)}.bias", False)) for n in "qkv"}
         conv = family.conv1d
     ow, ob = g(f"{family.o}.weight"), g(f"{family.o}.bias", False)
-    biased = [n for n in "qkv" if raw[n][1] is not None]
-    qkv_bias = bool(biased)
-    if biased and len(biased) < 3:  # e.g. Whisper: no k bias; a zero bias is the same function
-        for n in "qkv":
-            if raw[n][1] is None:
-                rows = np.asarray(raw[n][0]).shape[1 if conv else 0]
-                raw[n] = (raw[n][0], np.zeros(rows, np.asarray(raw[n][0]).dtype))
+    # Each projection has a bias exactly when the checkpoint has one (Whisper: q and v, not k).
+    qkv_bias = tuple(raw[n][1] is not None for n in "qkv")
     params = {f"{n}_proj": _linear(raw[n][0], raw[n][1], conv) for n in "qkv"}
     params["o_proj"] = _linear(ow, ob, family.conv1d)
     cfg = dataclasses.replace(cfg, qkv_bias=qkv_bias, out_bias=ob is not None)  # as the checkpoint has them
-    if family.norms:
+    if family.norms and cfg.qk_norm:
+        if cfg.qk_norm_zero_centered != family.norm_plus_one:
+            raise ValueError(f"{family.name} stores its QK-norm weights "
+                             f"{'zero-centred (applied as 1 + w)' if family.norm_plus_one else 'plain'}, but its "
+                             f"fields give qk_norm_zero_centered={cfg.qk_norm_zero_centered}")
         for ours, theirs in zip(("q_norm", "k_norm"), family.norms):
-            weight = np.asarray(g(f"{theirs}.weight"))
-            params[ours] = {"scale": 1.0 + weight if family.norm_plus_one else weight}
+            params[ours] = {"scale": np.asarray(g(f"{theirs}.weight"))}  # as stored: the config says how applied
+            if cfg.qk_norm_bias:
+                params[ours]["bias"] = np.asarray(g(f"{theirs}.bias"))
+    if family.sinks:
+        params["sinks"] = np.asarray(g(family.sinks))
     params.update(extra)
     _check_shapes(prefix, cfg, params)
     return cfg, params
+
+
+def _has_qk_norm(params) -> bool:
+    """Whether a layer's params have a QK-norm."""
+    return "q_norm" in params
 
 
 def _check_shapes(prefix, cfg, params):
@@ -292,7 +301,7 @@ def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
                 hf = f"{prefix}.{getattr(family, n)}"
                 out[f"{hf}.weight"] = arr(lin["kernel"]) if family.conv1d else arr(lin["kernel"]).T.copy()
                 if "bias" in lin:
-                    if family.name == "whisper" and n == "k":
+                    if family.name == "whisper" and n == "k":  # params of a qkv_bias=True layer
                         if np.any(arr(lin["bias"]) != 0):
                             raise ValueError(f"{hf}.bias: Whisper's k_proj has no bias, but these params have a "
                                              f"non-zero one (max |b| = {np.abs(arr(lin['bias'])).max():.3g})")
@@ -302,10 +311,19 @@ def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
         out[f"{prefix}.{family.o}.weight"] = arr(o["kernel"]) if family.conv1d else arr(o["kernel"]).T.copy()
         if "bias" in o:
             out[f"{prefix}.{family.o}.bias"] = arr(o["bias"])
-        if family.norms:
+        if family.norms and _has_qk_norm(p):
             for ours, theirs in zip(("q_norm", "k_norm"), family.norms):
                 scale = arr(p[ours]["scale"])
-                out[f"{prefix}.{theirs}.weight"] = scale - 1.0 if family.norm_plus_one else scale
+                # Written in the family's convention whatever the layer's (1 + w applied either way).
+                if cfg.qk_norm_zero_centered and not family.norm_plus_one:
+                    scale = scale + 1.0
+                elif family.norm_plus_one and not cfg.qk_norm_zero_centered:
+                    scale = scale - 1.0
+                out[f"{prefix}.{theirs}.weight"] = scale
+                if "bias" in p[ours]:
+                    out[f"{prefix}.{theirs}.bias"] = arr(p[ours]["bias"])
+        if family.sinks and "sinks" in p:
+            out[f"{prefix}.{family.sinks}"] = arr(p["sinks"])
         if family.t5_table and "rel_bias" in p:
             key = f"{root}{this_stack.template.format(i=0)}.{family.t5_table}.weight"
             table = arr(p["rel_bias"]["embedding"])

@@ -21,20 +21,11 @@ FUSED_LAYOUTS = ("concat", "per_head", "per_group")
 
 # Families (model_type) or options needing a layer feature AttentionConfig lacks: what it is.
 MISSING_FEATURES = {
-    "olmo2": "QK-norm over the whole projection: RMSNorm of q (N*H,) and k (K*H,) with weights of those "
-             "sizes, applied before splitting into heads (AttentionConfig.qk_norm normalises each head, H)",
-    "phi:qk_layernorm": "LayerNorm QK-norm with bias: q and k normalised per head by LayerNorm(H) (mean "
-                        "subtracted, learned weight and bias, eps=layer_norm_eps); qk_norm is RMSNorm without bias",
-    "cohere:use_qk_norm": "per-head QK-norm weights: LayerNorm (mean subtracted, no bias) with weights (N, H) "
-                          "for q and (K, H) for k, one row per head; qk_norm shares one (H,) weight over heads",
     "deepseek_v3": "multi-head latent attention: low-rank q (q_a_proj, q_a_layernorm, q_b_proj) and kv "
                    "(kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) projections, a decoupled RoPE part of "
                    "qk_rope_head_dim shared by all heads (interleaved), a no-RoPE part of qk_nope_head_dim, "
                    "v_head_dim != qk head dim, softmax scale multiplied by YaRN's mscale(factor, "
                    "mscale_all_dim)^2, and a cache of the latent (kv_lora_rank + rope dim)",
-    "gpt_oss": "attention sinks: a learned logit per head (sinks, (N,)) that joins every row's softmax "
-               "denominator and takes no value (out = sum_s e^l_s v_s / (e^sink + sum_s e^l_s)); also "
-               "alternating sliding/full layers (available) and YaRN with truncate=False (available)",
     "llama4": "chunked attention (a query sees keys of its own chunk of attention_chunk_size only), "
               "temperature tuning on NoPE layers (q scaled by log(floor((p + 1) / floor_scale) + 1) * "
               "attn_scale + 1), NoPE every no_rope_layer_interval-th layer with full attention, and "
@@ -68,7 +59,9 @@ class Family:
     fused_layout: Optional[Callable] = None  # config -> one of FUSED_LAYOUTS
     conv1d: bool = False                # GPT-2's Conv1D: weights stored (in, out)
     norms: Optional[tuple] = None       # HF names of the QK-norm modules (q, k)
-    norm_plus_one: bool = False         # Gemma: the norm multiplies by (1 + weight)
+    norm_plus_one: bool = False         # Gemma: the norm weight w is stored zero-centred, applied as (1 + w)
+    #                                     (its layers have qk_norm_zero_centered=True; checked on load)
+    sinks: Optional[str] = None         # HF name of the attention sinks parameter (gpt-oss: 'sinks')
     t5_table: Optional[str] = None      # T5: the relative bias table, in layer 0 of each stack, shared
     default_root: str = ""              # the root prefix of the usual *ForCausalLM / *ForConditionalGeneration
     positions: str = "cumsum"           # flax_attn.hf.padding convention
@@ -277,6 +270,16 @@ def _falcon_layout(cfg):
     return "concat" if cfg.get("multi_query", True) else "per_head"
 
 
+def _optional_qk_norm(flag: str, **fields) -> dict:
+    """``_with`` arguments for a QK-norm switched on by the config's boolean ``flag``, with
+    ``fields`` and ``eps = layer_norm_eps``; nothing when the flag is off."""
+    on = lambda c, s, i: True if c.get(flag) else None
+    out = {"qk_norm": on, "qk_norm_eps": lambda c, s, i: c.get("layer_norm_eps", 1e-5) if c.get(flag) else None}
+    for name, value in fields.items():
+        out[name] = (lambda v: lambda c, s, i: v if c.get(flag) else None)(value)
+    return out
+
+
 def _none(cfg):
     return []
 
@@ -299,12 +302,17 @@ FAMILIES = (
                         scale=_gemma_scale, logit_softcap=lambda c, s, i: c.get("attn_logit_softcapping"))),
     Family("gemma3", ("gemma3_text", "gemma3"), **LLAMA_LIKE, norms=("q_norm", "k_norm"), norm_plus_one=True,
            fields=_with(_decoder_fields(None, sliding=_window_by_type, layer_pattern=_gemma3_pattern),
-                        scale=_gemma_scale, qk_norm=True, qk_norm_eps=lambda c, s, i: c.get("rms_norm_eps", 1e-6),
+                        scale=_gemma_scale, qk_norm=True, qk_norm_zero_centered=True,
+                        qk_norm_eps=lambda c, s, i: c.get("rms_norm_eps", 1e-6),
                         logit_softcap=lambda c, s, i: c.get("attn_logit_softcapping"))),
-    Family("cohere", ("cohere",), **LLAMA_LIKE, fields=_decoder_fields(None, layout="interleaved"),
-           missing=lambda c: ["cohere:use_qk_norm"] if c.get("use_qk_norm") else []),
-    Family("phi", ("phi",), **LLAMA_LIKE, o="dense", fields=_decoder_fields(None),
-           missing=lambda c: ["phi:qk_layernorm"] if c.get("qk_layernorm") else []),
+    # Cohere's use_qk_norm: LayerNorm without bias over each head, one weight row per head.
+    Family("cohere", ("cohere",), **LLAMA_LIKE, norms=("q_norm", "k_norm"),
+           fields=_with(_decoder_fields(None, layout="interleaved"), **_optional_qk_norm(
+               "use_qk_norm", qk_norm_type="layer", qk_norm_scope="per_head"))),
+    # Phi's qk_layernorm: LayerNorm with weight and bias over each head, shared by the heads.
+    Family("phi", ("phi",), **LLAMA_LIKE, o="dense", norms=("q_layernorm", "k_layernorm"),
+           fields=_with(_decoder_fields(None), **_optional_qk_norm(
+               "qk_layernorm", qk_norm_type="layer", qk_norm_bias=True))),
     Family("phi3", ("phi3",), **LLAMA_LIKE, fused="qkv_proj", fused_layout=lambda c: "concat",
            fields=_decoder_fields(None, sliding=_mistral_window)),
     Family("gpt_neox", ("gpt_neox",), stacks=(Stack("decoder", "self", "layers.{i}.attention"),),
@@ -336,10 +344,15 @@ FAMILIES = (
                    Stack("decoder", "self", "decoder.layers.{i}.self_attn"),
                    Stack("decoder", "cross", "decoder.layers.{i}.encoder_attn")),
            o="out_proj", default_root="model.", positions="index", fields=None),
-    Family("olmo2", ("olmo2",), **LLAMA_LIKE, missing=lambda c: ["olmo2"]),
+    # OLMo 2: RMSNorm over the whole query (N*H) and key (K*H) projections, before the head split.
+    Family("olmo2", ("olmo2",), **LLAMA_LIKE, norms=("q_norm", "k_norm"),
+           fields=_with(_decoder_fields(None), qk_norm=True, qk_norm_scope="projection",
+                        qk_norm_eps=lambda c, s, i: c.get("rms_norm_eps", 1e-6))),
     Family("llama4", ("llama4", "llama4_text"), **LLAMA_LIKE, missing=_llama4_missing),
     Family("deepseek_v3", ("deepseek_v3",), **LLAMA_LIKE, missing=lambda c: ["deepseek_v3"]),
-    Family("gpt_oss", ("gpt_oss",), **LLAMA_LIKE, missing=lambda c: ["gpt_oss"]),
+    # gpt-oss: a learned sink logit per head; alternating sliding/full layers; YaRN without truncation.
+    Family("gpt_oss", ("gpt_oss",), **LLAMA_LIKE, sinks="sinks",
+           fields=_with(_decoder_fields(None, sliding=_window_by_type), sinks=True)),
 )
 
 

@@ -9,10 +9,31 @@ Every slot stores its key, value, position and segment id, so the masks of cache
 Empty slots have segment id -1 and are never attended to. All shapes are fixed, so a jitted
 step compiles once.
 
-A layer attends over the cached slots followed by the new keys, then writes the new keys into
-the cache. A linear cache (the default) holds ``max_len`` tokens and raises on overflow. A
-rolling cache (``rolling=True``) overwrites its oldest slots: for sliding-window attention it
-needs only ``max_len >= window - 1`` slots, whatever the sequence length.
+A layer writes the new keys into their slots in place (``lax.dynamic_update_slice`` at the
+write index; with the cache donated to a jitted step, see :func:`flax_attn.decode_step`, no
+copy of the cache is made) and attends over the whole cache: unwritten slots are masked by
+their segment id -1, and causal and window masks compare the stored positions, so nothing is
+concatenated and no mask is rebuilt beyond the ``(B, 1, T, S)`` comparison of positions.
+
+A linear cache (the default) holds ``max_len`` tokens and raises on overflow. A rolling cache
+(``rolling=True``) overwrites its oldest slots: for sliding-window attention it needs only
+``max_len >= window - 1`` slots, whatever the sequence length. When a call's new tokens would
+overwrite keys that its own queries still see (``max_len < window + T - 1``, e.g. a long
+prefill into a small ring), the layer attends over the cached slots followed by the new keys
+instead (a concatenation, as for any prefill that does not fit the ring).
+
+**Layouts.** ``layout='BKSH'`` (the default) stores keys as ``(B*K, S, H)``: batch-major, then key/value heads, each head's S keys contiguous, which is what
+the attention matmuls read (``B`` and ``K`` merged into one axis so that no axis of size 1 makes
+XLA copy the cache around its in-place update when ``B == 1``); on CPU a decoding step then
+makes no copy of the cache. ``layout='BSKH'`` stores ``(B, S, K, H)``, the order of
+:func:`flax_attn.dot_product_attention`'s arguments, which the attention must transpose every
+step (``benchmarks/decode.py`` measures both). :meth:`KVCache.keys` and
+:meth:`KVCache.values` give the ``(B, S, K, H)`` view of either.
+
+**Dtype.** The cache holds keys in the dtype the layer computes them in (the result type of
+``x`` and the parameters). A layer given a cache of another dtype raises ``TypeError`` naming
+both: nothing is rounded silently. ``Attention.init_cache`` / ``flax_attn.nnx.Attention.init_cache``
+default to the layer's ``param_dtype``.
 
 Positions only move forward in a linear cache: new tokens whose positions are not after every
 cached one (padding, segment id < 0, excepted on both sides) raise ``ValueError`` (when the
@@ -31,10 +52,16 @@ import numpy as np
 from flax_attn import _checks
 
 
+LAYOUTS = ("BSKH", "BKSH")
+
+
 @flax.struct.dataclass
 class KVCache:
-    """Cached keys ``(B, S, K, H)``, values ``(B, S, K, Hv)``, positions and segment ids ``(B, S)``.
+    """Cached keys and values, positions and segment ids ``(B, S)``, and the fill level.
 
+    With ``layout='BKSH'`` (default) keys are ``(B*K, S, H)`` and values ``(B*K, S, Hv)``
+    (batch-major); with ``layout='BSKH'`` keys are ``(B, S, K, H)`` and values ``(B, S, K, Hv)``
+    (:meth:`keys` / :meth:`values` give the ``(B, S, K, H)`` view of either).
     ``length`` (int32 scalar) counts the tokens written so far; ``rolling`` (static) says
     whether old slots are overwritten when full.
     """
@@ -45,43 +72,104 @@ class KVCache:
     segment_ids: Any
     length: Any
     rolling: bool = flax.struct.field(pytree_node=False, default=False)
+    layout: str = flax.struct.field(pytree_node=False, default="BKSH")
 
     @classmethod
     def create(cls, *, batch: int, max_len: int, num_kv_heads: int, head_dim: int, value_dim: int | None = None,
-               dtype=jnp.float32, rolling: bool = False) -> "KVCache":
-        """An empty cache of ``max_len`` slots."""
+               dtype=jnp.float32, rolling: bool = False, layout: str = "BKSH") -> "KVCache":
+        """An empty cache of ``max_len`` slots (keys and values zero, segment ids -1).
+
+        Args:
+          batch, max_len, num_kv_heads, head_dim: B, S, K, H. value_dim: Hv (default H).
+          dtype: of keys and values; must be the dtype of the keys the layer computes.
+          rolling: overwrite the oldest slots when full (sliding-window attention only).
+          layout: ``'BKSH'`` (the default: keys stored ``(B*K, S, H)``, read in place when decoding)
+            or ``'BSKH'`` (keys ``(B, S, K, H)``).
+        """
         for name, v in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             _checks.check_positive_int(name, v)
+        _checks.check_one_of("layout", layout, LAYOUTS)
         value_dim = head_dim if value_dim is None else value_dim
+        shape = (lambda h: (batch, max_len, num_kv_heads, h)) if layout == "BSKH" else \
+            (lambda h: (batch * num_kv_heads, max_len, h))
         return cls(
-            key=jnp.zeros((batch, max_len, num_kv_heads, head_dim), dtype),
-            value=jnp.zeros((batch, max_len, num_kv_heads, value_dim), dtype),
+            key=jnp.zeros(shape(head_dim), dtype),
+            value=jnp.zeros(shape(value_dim), dtype),
             positions=jnp.zeros((batch, max_len), jnp.int32),
             segment_ids=jnp.full((batch, max_len), -1, jnp.int32),
             length=jnp.zeros((), jnp.int32),
             rolling=rolling,
+            layout=layout,
         )
 
     @property
     def max_len(self) -> int:
-        return self.key.shape[1]
+        return self.key.shape[1]  # the slots' axis in both layouts
+
+    @property
+    def dtype(self):
+        return self.key.dtype
+
+    def _bskh(self, x):
+        if self.layout == "BSKH":
+            return x
+        B = self.positions.shape[0]
+        return jnp.swapaxes(x.reshape((B, x.shape[0] // B) + x.shape[1:]), 1, 2)
+
+    def _stored(self, x):
+        """New entries ``(B, T, K, H)`` in the cache's layout."""
+        if self.layout == "BSKH":
+            return x
+        B, T, K, H = x.shape
+        return jnp.swapaxes(x, 1, 2).reshape(B * K, T, H)
+
+    def keys(self):
+        """The cached keys as ``(B, S, K, H)`` (a transposed view for ``layout='BKSH'``)."""
+        return self._bskh(self.key)
+
+    def values(self):
+        """The cached values as ``(B, S, K, Hv)``."""
+        return self._bskh(self.value)
 
     def check_compatible(self, key, value, positions, segment_ids) -> None:
         """Shapes of new entries ``(B, T, K, H)``, ``(B, T, K, Hv)``, ``(B, T)``, ``(B, T)``."""
-        B, S, K, H = self.key.shape
+        B, S, K, H = self.keys().shape
         T = key.shape[1]
         if key.shape != (B, T, K, H) or value.shape != (B, T, K, self.value.shape[-1]):
             raise ValueError(f"new keys {key.shape} / values {value.shape} do not fit the cache's "
-                             f"keys {self.key.shape} / values {self.value.shape}")
+                             f"keys {self.key.shape} / values {self.value.shape}"
+                             + ("" if self.layout == "BSKH" else " (layout BKSH)"))
         if positions.shape != (B, T) or segment_ids.shape != (B, T):
             raise ValueError(f"positions {positions.shape} and segment_ids {segment_ids.shape} must be {(B, T)}")
         if not self.rolling and T > S:
             raise ValueError(f"{T} new tokens do not fit a cache of max_len={S}")
 
+    def check_dtype(self, key) -> None:
+        """``TypeError`` unless new keys ``key`` have the cache's dtype (nothing is rounded silently)."""
+        new, held = _checks.dtype_of(key), self.key.dtype
+        if new != held:
+            raise TypeError(f"KV cache dtype {held} does not match the keys' dtype {new}: create the cache "
+                            f"with dtype={new} (layer.init_cache(...) follows the layer's param_dtype; "
+                            f"config.init_cache(..., dtype=...))")
+
+    def holds_window(self, new_tokens: int, sliding_window) -> bool:
+        """Whether, after ``new_tokens`` are written, the cache still holds every key that their
+        queries may see (always for a linear cache; a rolling one needs
+        ``max_len >= sliding_window + new_tokens - 1``). Static: decided at trace time."""
+        if not self.rolling:
+            return True
+        return sliding_window is not None and self.max_len >= sliding_window + new_tokens - 1
+
     def update(self, key, value, positions, segment_ids) -> "KVCache":
-        """The cache with ``T`` new entries written after the ``length`` already there."""
+        """The cache with ``T`` new entries written after the ``length`` already there.
+
+        ``key`` ``(B, T, K, H)``, ``value`` ``(B, T, K, Hv)``, ``positions`` and ``segment_ids``
+        ``(B, T)`` int. Written in place with ``lax.dynamic_update_slice`` (a rolling cache
+        taking more than one token at once scatters into its ring).
+        """
         self.check_compatible(key, value, positions, segment_ids)
         S, T = self.max_len, key.shape[1]
+        key, value = self._stored(key), self._stored(value)  # slots are axis 1 of every array
         if not self.rolling:
             _checks.runtime_check(
                 self.length + T <= S,
@@ -98,16 +186,26 @@ class KVCache:
                 "KV cache positions go backwards: new positions (smallest per row {new}) must come after the "
                 "cached ones (largest per row {cached}); to roll back, call cache.truncate(length) first",
                 new=new_min, cached=cached_max)
-            write = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), self.length, axis=1)
+            start = self.length
+        elif T == 1:
+            start = self.length % S
         else:
             keep = min(T, S)  # of T new tokens only the last S can be held
             slots = (self.length + T - keep + jnp.arange(keep)) % S
-            write = lambda buf, new: buf.at[:, slots].set(new[:, T - keep:].astype(buf.dtype))
-        return self.replace(
-            key=write(self.key, key), value=write(self.value, value),
-            positions=write(self.positions, positions), segment_ids=write(self.segment_ids, segment_ids),
-            length=self.length + T,
-        )
+
+            def scatter(buf, new):
+                return buf.at[:, slots].set(new[:, T - keep:].astype(buf.dtype))
+
+            return self.replace(key=scatter(self.key, key), value=scatter(self.value, value),
+                                positions=scatter(self.positions, positions),
+                                segment_ids=scatter(self.segment_ids, segment_ids), length=self.length + T)
+
+        def write(buf, new):
+            return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, axis=1)
+
+        return self.replace(key=write(self.key, key), value=write(self.value, value),
+                            positions=write(self.positions, positions),
+                            segment_ids=write(self.segment_ids, segment_ids), length=self.length + T)
 
     def truncate(self, length) -> "KVCache":
         """The cache holding only its first ``length`` tokens (a linear cache): the rest emptied.
@@ -126,10 +224,12 @@ class KVCache:
             raise TypeError(f"truncate(length): length must be an integer scalar, got {length!r}")
         length = jnp.asarray(length, jnp.int32)
         _checks.runtime_check((length >= 0) & (length <= self.length),
-                              "truncate(length={length}): length must lie in [0, {cached}], the tokens cached",
-                              length=length, cached=self.length)
+                     "truncate(length={length}): length must lie in [0, {cached}], the tokens cached",
+                     length=length, cached=self.length)
         keep = jnp.arange(self.max_len) < length
-        empty = lambda buf, fill: jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf,
-                                            jnp.asarray(fill, buf.dtype))
+
+        def empty(buf, fill):  # slots are axis 1 of every array
+            return jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf, jnp.asarray(fill, buf.dtype))
+
         return self.replace(key=empty(self.key, 0), value=empty(self.value, 0), positions=empty(self.positions, 0),
                             segment_ids=empty(self.segment_ids, -1), length=length)

@@ -57,6 +57,16 @@ def scale_params(features: int) -> dict:
     return {"scale": ParamSpec((features,), nn.initializers.ones)}
 
 
+def norm_params(shape, *, bias: bool = False, zero_centered: bool = False) -> dict:
+    """Specs of a normalisation's learned affine map: ``scale`` of ``shape`` (ones, or zeros when
+    ``zero_centered``: stored as ``w`` and applied as ``1 + w``) and, with ``bias``, ``bias`` (zeros)."""
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    specs = {"scale": ParamSpec(shape, nn.initializers.zeros if zero_centered else nn.initializers.ones)}
+    if bias:
+        specs["bias"] = ParamSpec(shape, nn.initializers.zeros)
+    return specs
+
+
 def embed_params(num_embeddings: int, features: int) -> dict:
     """Specs of an embedding table: ``embedding`` ``(num_embeddings, features)``, N(0, 1) (``nn.Embedding``)."""
     return {"embedding": ParamSpec((num_embeddings, features), nn.initializers.normal(1.0))}
@@ -84,6 +94,30 @@ def rms_norm(p: Mapping, x, epsilon: float):
     var = jnp.mean(lax.square(x.astype(acc)), axis=-1, keepdims=True)
     y = x * (lax.rsqrt(var + epsilon) * p["scale"])
     return jnp.asarray(y, jnp.result_type(x, p["scale"]))
+
+
+def norm(p: Mapping, x, epsilon: float, *, kind: str = "rms", zero_centered: bool = False):
+    """Normalisation over the last axis with a learned affine map, the statistics in at least float32.
+
+    ``kind='rms'``: ``x / sqrt(mean(x^2) + eps)``; ``kind='layer'``: ``(x - mean(x)) / sqrt(var(x) + eps)``
+    (biased variance). The result is multiplied by ``scale`` (or ``1 + scale`` when
+    ``zero_centered``), then ``bias`` is added when ``p`` has one. ``scale``/``bias`` broadcast
+    against ``x`` from the right: ``(F,)`` for ``x`` ``(..., F)``, or ``(N, F)`` for ``(..., N, F)``
+    (one row per head).
+    """
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    xa = x.astype(acc)
+    if kind == "layer":
+        xa = xa - jnp.mean(xa, axis=-1, keepdims=True)
+    elif kind != "rms":
+        raise ValueError(f"kind must be 'rms' or 'layer', got {kind!r}")
+    var = jnp.mean(lax.square(xa), axis=-1, keepdims=True)
+    scale = p["scale"]
+    weight = 1 + jnp.asarray(scale, acc) if zero_centered else scale
+    y = xa * lax.rsqrt(var + epsilon) * weight
+    if "bias" in p:
+        y = y + p["bias"]
+    return jnp.asarray(y, jnp.result_type(x, *p.values()))
 
 
 def embed(p: Mapping, ids):

@@ -7,8 +7,10 @@ move between them with :func:`flax_attn.nnx.from_linen` / :func:`flax_attn.nnx.t
 
     layer = fa.nnx.Attention(fa.AttentionConfig(d_model=64, num_heads=4), rngs=nnx.Rngs(0))
     y = layer(x, positions)                                  # x (B, T, 64), positions (B, T)
-    cache = layer.config.init_cache(batch=B, max_len=256)
+    cache = layer.init_cache(batch=B, max_len=256)           # dtype: the layer's param_dtype
     y, cache = layer(x, positions, cache=cache)              # the cache goes in and comes back
+    step = fa.decode_step(layer)                             # jitted, cache donated
+    y, cache = step(cache, x_t, positions_t)
 """
 from __future__ import annotations
 
@@ -60,6 +62,13 @@ class Attention(Dropout, nnx.Module):
         self.implementation = implementation
         declare(self, attention_params(config), param_dtype, rngs)
         self._init_dropout(config.dropout, deterministic, rngs)
+
+    def init_cache(self, batch: int, max_len: int, *, dtype=None, rolling: bool = False,
+                   layout: str = "BKSH") -> KVCache:
+        """An empty :class:`KVCache` for this layer (see :meth:`flax_attn.AttentionConfig.init_cache`);
+        ``dtype`` defaults to the layer's ``param_dtype``."""
+        return self.config.init_cache(batch, max_len, dtype=self.param_dtype if dtype is None else dtype,
+                                      rolling=rolling, layout=layout)
 
     def __call__(self, x, positions=None, segment_ids=None, context=None, context_positions=None,
                  context_segment_ids=None, mask=None, cache: Optional[KVCache] = None, *,

@@ -24,7 +24,7 @@ Which parameters split (``kernel`` is ``(in, out)``):
 
 * ``Attention``: ``q_proj``, ``k_proj``, ``v_proj`` by output features (``kernel (D, heads*H)``
   and ``bias``), ``rel_bias`` ``(buckets, N)`` by N; ``o_proj.kernel (N*H, D)`` by input
-  features; ``o_proj.bias``, ``q_norm``, ``k_norm`` replicated.
+  features; ``o_proj.bias``, ``q_norm``, ``k_norm``, ``sinks`` replicated.
 * ``MultiHeadAttention`` (the chapter's): ``W_query``, ``W_key``, ``W_value`` by output
   features; ``out_proj.kernel`` by input features; ``out_proj.bias`` replicated.
 * ``TransformerMultiHeadAttention``: ``W_q``, ``W_k``, ``W_v`` by output features; ``W_o.kernel``
@@ -58,6 +58,7 @@ from flax_attn.textbook import (CausalAttention, MultiHeadAttention, MultiHeadAt
 # embedding (buckets, N) whose columns are heads), 'rep' (replicated).
 _RULES = {
     Attention: {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "out", "q_norm": "rep", "k_norm": "rep",
+                "sinks": "rep",
                 "rel_bias": "heads"},
     MultiHeadAttention: {"W_query": "q", "W_key": "q", "W_value": "q", "out_proj": "out"},
     TransformerMultiHeadAttention: {"W_q": "q", "W_k": "q", "W_v": "q", "W_o": "out"},
@@ -239,18 +240,24 @@ def shard_batch(tree, mesh, *, data_axis: str = "data"):
 
 def cache_partition_specs(cache: KVCache, *, data_axis: Optional[str] = "data",
                           model_axis: Optional[str] = "model") -> KVCache:
-    """A :class:`flax_attn.KVCache` of ``PartitionSpec``s: keys and values ``(B, S, K, H)`` split
-    over the batch (``data_axis``) and the key/value heads (``model_axis``); positions and segment
-    ids ``(B, S)`` over the batch; the length replicated. Either axis may be None (not split).
+    """A :class:`flax_attn.KVCache` of ``PartitionSpec``s: keys and values split over the batch
+    (``data_axis``) and, for ``layout='BSKH'`` (``(B, S, K, H)``), over the key/value heads
+    (``model_axis``); the default layout ``'BKSH'`` stores ``(B*K, S, H)``, whose merged axis is
+    split over the batch only (each device holds all heads of its sequences: for tensor-parallel
+    decoding over heads create the cache with ``layout='BSKH'``). Positions and segment ids
+    ``(B, S)`` over the batch; the length replicated. Either axis may be None (not split).
 
     The sequence axis S stays whole: each device holds all cached positions of its sequences and
     heads, so a decoding step needs no communication inside attention.
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache_partition_specs takes a KVCache, got {type(cache).__name__}")
-    _checks.check_rank("cache.key", cache.key, 4, "(B, S, K, H)")
-    return cache.replace(key=P(data_axis, None, model_axis, None), value=P(data_axis, None, model_axis, None),
-                         positions=P(data_axis, None), segment_ids=P(data_axis, None), length=P())
+    if cache.layout == "BSKH":
+        _checks.check_rank("cache.key", cache.key, 4, "(B, S, K, H)")
+        kv = P(data_axis, None, model_axis, None)
+    else:  # (B*K, S, H), batch-major: whole sequences (all their heads) per shard of the batch
+        kv = P(data_axis, None, None)
+    return cache.replace(key=kv, value=kv, positions=P(data_axis, None), segment_ids=P(data_axis, None), length=P())
 
 
 __all__ = ["batch_specs", "cache_partition_specs", "make_mesh", "named_shardings", "partition_specs", "shard_batch",

@@ -1,5 +1,6 @@
 """flax_attn.hf without transformers: the padding helper by hand, fused layouts by index, the
 missing-feature errors, safetensors files written from NumPy, and the import boundary."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -97,12 +98,8 @@ def test_fused_indices_by_hand():
 
 
 @pytest.mark.parametrize("config, feature", [
-    ({"model_type": "olmo2"}, "QK-norm over the whole projection"),
     ({"model_type": "deepseek_v3"}, "multi-head latent attention"),
-    ({"model_type": "gpt_oss"}, "attention sinks"),
     ({"model_type": "llama4"}, "chunked attention"),
-    ({"model_type": "phi", "qk_layernorm": True}, "LayerNorm QK-norm with bias"),
-    ({"model_type": "cohere", "use_qk_norm": True}, r"per-head QK-norm weights: LayerNorm .* \(N, H\)"),
     ({"model_type": "falcon", "alibi": True}, "ALiBi added before the 1/sqrt"),
 ])
 def test_missing_features_raise_naming_them(config, feature):
@@ -187,7 +184,16 @@ def test_gemma_norms_and_whisper_missing_bias():
         w[f"model.layers.{i}.self_attn.q_norm.weight"] = np.array([0.5, -0.25, 0.0, 1.0])
         w[f"model.layers.{i}.self_attn.k_norm.weight"] = np.zeros(4)
     sliding, full = fhf.load_attention(gemma, w)
-    np.testing.assert_array_equal(sliding.params["q_norm"]["scale"], [1.5, 0.75, 1.0, 2.0])  # 1 + w
+    # Held as stored (w), in a layer that applies 1 + w.
+    np.testing.assert_array_equal(sliding.params["q_norm"]["scale"], [0.5, -0.25, 0.0, 1.0])
+    assert sliding.config.qk_norm_zero_centered and full.config.qk_norm_zero_centered
+    # A layer holding plain weights (1 + w) is written back in Gemma's convention (w).
+    plain = dataclasses.replace(sliding.config, qk_norm_zero_centered=False)
+    plain_params = {**sliding.params, "q_norm": {"scale": np.array([1.5, 0.75, 1.0, 2.0])},
+                    "k_norm": {"scale": np.ones(4)}}
+    back = fhf.to_hf_weights(gemma, [(sliding.name, plain, plain_params)])
+    np.testing.assert_array_equal(back["model.layers.0.self_attn.q_norm.weight"], [0.5, -0.25, 0.0, 1.0])
+    np.testing.assert_array_equal(back["model.layers.0.self_attn.k_norm.weight"], np.zeros(4))
     assert (sliding.config.sliding_window, sliding.config.rope_theta) == (2, 10.0)
     assert (full.config.sliding_window, full.config.rope_theta) == (None, 1000.0)
     assert sliding.config.scale == 0.25 and sliding.config.qk_norm
@@ -202,7 +208,8 @@ def test_gemma_norms_and_whisper_missing_bias():
     layers = fhf.load_attention(whisper, w)
     assert [(l.stack, l.kind) for l in layers] == [("encoder", "self"), ("decoder", "self"), ("decoder", "cross")]
     assert [l.config.causal for l in layers] == [False, True, False]
-    np.testing.assert_array_equal(layers[0].params["k_proj"]["bias"], np.zeros(4))
+    assert "bias" not in layers[0].params["k_proj"] and "bias" in layers[0].params["v_proj"]
+    assert all(l.config.qkv_bias == (True, False, True) for l in layers)
     assert fhf.to_hf_weights(whisper, layers).keys() == w.keys()
     layers[0].params["k_proj"]["bias"] = np.ones(4)
     with pytest.raises(ValueError, match="Whisper's k_proj has no bias"):

@@ -36,13 +36,33 @@ CONFIGS = {
     "biases-head_dim": {"qkv_bias": True, "out_bias": True, "head_dim": 6},
     "everything": {"num_kv_heads": 2, "rope_layout": "interleaved", "sliding_window": 4, "qk_norm": True,
                    "logit_softcap": 3.0, "qkv_bias": True, "out_bias": True},
+    # Hugging Face models' variants (their torch twins are written from each model's description).
+    "qk-norm-projection-olmo2": {"qk_norm": True, "qk_norm_scope": "projection", "num_kv_heads": 2},
+    "qk-layernorm-bias-phi": {"qk_norm": True, "qk_norm_type": "layer", "qk_norm_bias": True, "rotary_dim": 2,
+                              "qkv_bias": True, "out_bias": True},
+    "qk-norm-per-head-cohere": {"qk_norm": True, "qk_norm_type": "layer", "qk_norm_scope": "per_head",
+                                "num_kv_heads": 2, "rope_layout": "interleaved"},
+    "qk-norm-zero-centered-gemma": {"qk_norm": True, "qk_norm_zero_centered": True, "num_kv_heads": 2},
+    "qk-norm-mixed": {"qk_norm": True, "qk_norm_type": "layer", "qk_norm_scope": "projection",
+                      "qk_norm_bias": True, "qk_norm_zero_centered": True, "num_kv_heads": 1},
+    "bias-q-v-whisper": {"qkv_bias": (True, False, True), "out_bias": True, "position": "none", "causal": False},
+    "sinks-gpt-oss": {"sinks": True, "num_kv_heads": 2, "sliding_window": 3, "qkv_bias": True, "out_bias": True},
 }
+# Norm weights start at ones (zeros when zero-centred) and sinks at random: these cases move every
+# parameter off its initial value, so that a weight applied to the wrong head or feature shows.
+PERTURBED = {name for name in CONFIGS if name.endswith(("-olmo2", "-phi", "-cohere", "-gemma", "-mixed",
+                                                       "-whisper", "-gpt-oss"))}
 
 
-def pair(cfg, seed=0):
+def pair(cfg, seed=0, perturb=False):
     torch.manual_seed(seed)
     layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, **cfg))
-    return tr.twin(layer), layer
+    twin = tr.twin(layer)
+    if perturb:
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+    return twin, layer
 
 
 def inputs(B=2, T=6, seed=0):
@@ -56,18 +76,19 @@ def inputs(B=2, T=6, seed=0):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_layer_parity(name, dtype):
     x, positions = inputs()
-    t, f = pair(CONFIGS[name])
+    t, f = pair(CONFIGS[name], perturb=name in PERTURBED)
     run_parity(t, f, (x, positions), dtype, flax_kwargs={"deterministic": True}, eager=name == "everything")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["mha-rope", "gqa-rope", "alibi", "t5-decoder", "sliding-window", "everything"])
+@pytest.mark.parametrize("name", ["mha-rope", "gqa-rope", "alibi", "t5-decoder", "sliding-window", "everything",
+                                  "sinks-gpt-oss"])
 def test_layer_parity_packed_and_padded(name, dtype):
     # Two sequences packed in row 0; row 1 is one sequence right-padded with -1 (padding).
     x, _ = inputs()
     segments = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, -1, -1]])
     positions = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 0]])  # restart per segment
-    t, f = pair(CONFIGS[name])
+    t, f = pair(CONFIGS[name], perturb=name in PERTURBED)
     run_parity(t, f, (x, positions, segments), dtype, flax_kwargs={"deterministic": True})
 
 

@@ -23,6 +23,9 @@ ATTENTION = {
                           "dropout": 0.3},
     "alibi-window": {"position": "alibi", "sliding_window": 3, "num_kv_heads": 1},
     "nope-bidirectional": {"position": "none", "causal": False},
+    "sinks-layernorm-projection-qv-bias": {"num_kv_heads": 2, "sinks": True, "qk_norm": True, "qk_norm_type": "layer",
+                                           "qk_norm_scope": "projection", "qk_norm_bias": True,
+                                           "qkv_bias": (True, False, True)},
 }
 
 
@@ -141,7 +144,9 @@ def test_nnx_equals_linen_outputs_and_gradients(name, dtype):
 
 
 CACHE_CONFIGS = {"gqa-rope-window": {"num_kv_heads": 2, "sliding_window": 4, "qk_norm": True},
-                 "t5": {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 6}}
+                 "t5": {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 6},
+                 "sinks-per-head-norm": {"num_kv_heads": 2, "sliding_window": 4, "sinks": True, "qk_norm": True,
+                                         "qk_norm_scope": "per_head", "qk_norm_zero_centered": True}}
 
 
 @pytest.mark.parametrize("name", sorted(CACHE_CONFIGS))

@@ -153,7 +153,7 @@ def _measure_cache():
         toks.append(nxt)
         return np.stack([np.asarray(t) for t in toks], 1), out, cache
 
-    cache = config.init_cache(batch=B, max_len=32, dtype=jnp.float64)
+    cache = config.init_cache(batch=B, max_len=32, dtype=jnp.float64, layout="BSKH")  # heads can split
     one_tokens, one_out, _ = decode(variables, cache, lambda a: a, jax.jit(step))
 
     cache_specs = fp.cache_partition_specs(cache, data_axis="data", model_axis="model")
@@ -326,9 +326,15 @@ def test_cache_specs():
     import flax_attn as fa
     from flax_attn import parallel as fp
 
-    cache = fa.AttentionConfig(d_model=32, num_heads=4, num_kv_heads=2).init_cache(batch=2, max_len=8)
+    config = fa.AttentionConfig(d_model=32, num_heads=4, num_kv_heads=2)
+    cache = config.init_cache(batch=2, max_len=8, layout="BSKH")                   # (B, S, K, H)
     specs = fp.cache_partition_specs(cache, model_axis=None)
     assert specs.key == P("data", None, None, None) and specs.length == P() and specs.rolling == cache.rolling
+    assert fp.cache_partition_specs(cache).value == P("data", None, "model", None)
+    flat = config.init_cache(batch=2, max_len=8, layout="BKSH")                    # (B*K, S, H), batch-major
+    assert fp.cache_partition_specs(flat).key == P("data", None, None)   # whole sequences, all heads
+    assert fp.cache_partition_specs(flat, data_axis=None).value == P(None, None, None)
+    assert fp.cache_partition_specs(flat).positions == P("data", None)
     with pytest.raises(TypeError, match="takes a KVCache"):
         fp.cache_partition_specs({"key": 1})
 

@@ -1,0 +1,260 @@
+"""One KV-cache decoding step of ``fa.Attention`` against PyTorch eager with a preallocated cache.
+
+The layer: d_model 768, 12 heads of 64, RoPE (rotate-half, theta 10000), no biases, float32,
+one new token per step after a prefix of 1024 or 8192 cached tokens, batch 1 and 8.
+
+Contenders, timed in turns in one process (every round runs each once, in a new random order;
+medians of ``repeats`` rounds of ``STEPS`` steps each):
+
+* ``flax_attn BKSH``: ``fa.decode_step(layer)`` (one ``jax.jit``, the cache donated) with the default
+  ``layout='BKSH'`` cache (keys stored ``(B*K, S, H)``);
+* ``flax_attn BSKH``: the same with a ``layout='BSKH'`` cache (keys ``(B, S, K, H)``);
+* ``torch eager``: :class:`TorchDecodeLayer` below: ``nn.Linear`` projections, RoPE from a
+  precomputed table, keys written into a preallocated ``(B, N, S, H)`` cache by index and
+  ``F.scaled_dot_product_attention`` over the filled slots, under ``torch.inference_mode()``,
+  with torch's default threads (one per core) and, as ``torch eager 1 thread``, with one.
+
+``vs torch`` is each contender's time over the faster of the two torch rows (below 1.0:
+faster than PyTorch eager).
+
+Both start from the same weights and the same cached keys/values (random, written directly
+into the caches: a prefill is not what is measured), and their first outputs are checked to
+agree (relative 1e-4) before timing. The memory floor of a step is the bytes it must read:
+the four weight matrices (``4 D^2`` floats) plus the cached keys and values (``2 B L D``
+floats at fill level L); ``GB/s`` is that floor over the measured time.
+
+    python -m benchmarks.decode            # prints the table, writes benchmarks/results/decode-<cpu>.json
+    python -m benchmarks.decode --quick    # prefix 1024 only, fewer rounds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+D_MODEL, HEADS, THETA = 768, 12, 10000.0
+STEPS = 4          # decode steps per timed call
+BATCHES = (1, 8)
+PREFIXES = (1024, 8192)
+
+
+def cpu_name() -> str:
+    """``lscpu``'s model name (e.g. ``AMD EPYC``), or ``unknown``."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def cpu_slug() -> str:
+    """The CPU's model name lowercased, spaces to dashes: ``amd-epyc``."""
+    return "-".join(cpu_name().lower().replace("(r)", "").replace("(tm)", "").split())
+
+
+def _torch_layer_class():
+    import torch
+    import torch.nn.functional as F
+
+    class TorchDecodeLayer(torch.nn.Module):
+        """PyTorch eager decoding layer: RoPE (rotate-half) attention with a preallocated cache
+        ``(B, N, S, H)``; ``forward(x (B, 1, D), pos: int) -> (B, 1, D)`` writes slot ``pos`` and
+        attends over slots ``0..pos``."""
+
+        def __init__(self, d_model: int, num_heads: int, batch: int, max_len: int, theta: float = THETA):
+            super().__init__()
+            self.N, self.H = num_heads, d_model // num_heads
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+                torch.nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+            inv = 1.0 / theta ** (torch.arange(0, self.H, 2, dtype=torch.float64) / self.H)
+            freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
+            angles = torch.cat([freqs, freqs], dim=-1)
+            self.register_buffer("cos", angles.cos().float(), persistent=False)
+            self.register_buffer("sin", angles.sin().float(), persistent=False)
+            self.register_buffer("k_cache", torch.zeros(batch, num_heads, max_len, self.H), persistent=False)
+            self.register_buffer("v_cache", torch.zeros(batch, num_heads, max_len, self.H), persistent=False)
+
+        def rope(self, x, pos: int):
+            half = self.H // 2
+            rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+            return x * self.cos[pos] + rotated * self.sin[pos]
+
+        def forward(self, x, pos: int):
+            B = x.shape[0]
+            heads = lambda y: y.view(B, 1, self.N, self.H).transpose(1, 2)  # (B, N, 1, H)
+            q = self.rope(heads(self.q_proj(x)), pos)
+            k = self.rope(heads(self.k_proj(x)), pos)
+            self.k_cache[:, :, pos] = k[:, :, 0]
+            self.v_cache[:, :, pos] = heads(self.v_proj(x))[:, :, 0]
+            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :pos + 1], self.v_cache[:, :, :pos + 1])
+            return self.o_proj(out.transpose(1, 2).reshape(B, 1, self.N * self.H))
+
+    return TorchDecodeLayer
+
+
+def _time_in_turns(fns: dict, repeats: int, warmup: int = 1) -> dict:
+    """Median seconds of each zero-argument function, every round in a new random order."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    order, names = np.random.default_rng(0), list(fns)
+    for _ in range(repeats):
+        for name in order.permutation(names):
+            start = time.perf_counter()
+            fns[name]()
+            samples[name].append(time.perf_counter() - start)
+    return {name: float(np.median(s)) for name, s in samples.items()}
+
+
+def cell(batch: int, prefix: int, repeats: int) -> list[dict]:
+    """Time one (batch, prefix) cell; one row per contender."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import flax_attn as fa
+
+    B, D, N = batch, D_MODEL, HEADS
+    H = D // N
+    max_len = prefix + 2 * (repeats + 2) * STEPS + 2  # room for both torch rows, which share one cache
+    rng = np.random.default_rng(batch * 100003 + prefix)
+    config = fa.AttentionConfig(d_model=D, num_heads=N, position="rope", rope_theta=THETA)
+    layer = fa.Attention(config)
+    x = rng.standard_normal((B, 1, D)).astype(np.float32)
+    params = layer.init(jax.random.key(0), jnp.asarray(x), jnp.zeros((B, 1), jnp.int32))
+    kernels = {name: np.asarray(params["params"][name]["kernel"]) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    # cached keys/values for slots 0..prefix-1, (B, N, prefix, H)
+    k0 = rng.standard_normal((B, N, prefix, H), dtype=np.float32)
+    v0 = rng.standard_normal((B, N, prefix, H), dtype=np.float32)
+
+    def flax_contender(layout: str):
+        cache = layer.init_cache(B, max_len, layout=layout)
+        pad = lambda a: np.concatenate([a, np.zeros((B, N, max_len - prefix, H), np.float32)], axis=2)
+        to_layout = (lambda a: a.reshape(B * N, max_len, H)) if layout == "BKSH" else (lambda a: a.transpose(0, 2, 1, 3))
+        filled = np.arange(max_len) < prefix
+        cache = cache.replace(
+            key=jnp.asarray(to_layout(pad(k0))), value=jnp.asarray(to_layout(pad(v0))),
+            positions=jnp.asarray(np.broadcast_to(np.arange(max_len, dtype=np.int32), (B, max_len))),
+            segment_ids=jnp.asarray(np.broadcast_to(np.where(filled, 0, -1).astype(np.int32), (B, max_len))),
+            length=jnp.int32(prefix))
+        step = fa.decode_step(layer)
+        xt = jnp.asarray(x)
+        positions = [jnp.full((B, 1), p, jnp.int32) for p in range(prefix, max_len)]
+        state = {"cache": cache, "t": 0}
+
+        def run(n=STEPS):
+            out = None
+            for _ in range(n):
+                out, state["cache"] = step(params, state["cache"], xt, positions[state["t"]])
+                state["t"] += 1
+            return np.asarray(out)  # waits for the result
+
+        return run, state
+
+    twin = _torch_layer_class()(D, N, B, max_len)
+    with torch.no_grad():
+        for name, kernel in kernels.items():
+            getattr(twin, name).weight.copy_(torch.from_numpy(kernel.T.copy()))
+        twin.k_cache[:, :, :prefix] = torch.from_numpy(k0)
+        twin.v_cache[:, :, :prefix] = torch.from_numpy(v0)
+    tx = torch.from_numpy(x)
+    t_state = {"t": 0}
+
+    threads = torch.get_num_threads()
+
+    def torch_run(n=STEPS, num_threads=threads):
+        torch.set_num_threads(num_threads)
+        with torch.inference_mode():
+            for _ in range(n):
+                out = twin(tx, prefix + t_state["t"])
+                t_state["t"] += 1
+        torch.set_num_threads(threads)
+        return out.numpy()
+
+    contenders = {}
+    for layout in ("BKSH", "BSKH"):
+        run, state = flax_contender(layout)
+        contenders[f"flax_attn {layout}"] = (run, state)
+    # the first steps must agree before anything is timed
+    ref = torch_run(1)
+    for name, (run, _) in contenders.items():
+        got = run(1)
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        if not err <= 1e-4:
+            raise AssertionError(f"{name} and torch eager disagree on the first step: relative error {err:.1e}")
+    fns = {name: run for name, (run, _) in contenders.items()}
+    fns["torch eager"] = torch_run
+    if threads > 1:  # on a shared machine one thread can beat several: the faster one is the peer
+        fns["torch eager 1 thread"] = lambda: torch_run(num_threads=1)
+    seconds = _time_in_turns(fns, repeats)
+    torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / STEPS
+    rows = []
+    fill = prefix + 1 + (repeats + 1) * STEPS // 2  # the fill level at the middle of the run
+    floor = 4 * D * D * 4 + 2 * B * fill * D * 4
+    for name, s in seconds.items():
+        step_s = s / STEPS
+        rows.append({"contender": name, "batch": B, "prefix": prefix, "ms_per_step": step_s * 1e3,
+                     "ms_per_token": step_s * 1e3 / B, "floor_bytes_per_step": floor,
+                     "floor_bytes_per_token": floor / B, "gb_per_s": floor / step_s / 1e9,
+                     "ratio_vs_torch": step_s / torch_step})
+    del contenders, fns, twin
+    return rows
+
+
+def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES) -> list[dict]:
+    """Every (batch, prefix) cell, each contender timed in turns; rows of dicts (see :func:`report`)."""
+    rows = []
+    for prefix in prefixes:
+        for batch in batches:
+            rows.extend(cell(batch, prefix, repeats))
+    return rows
+
+
+def machine() -> dict:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "load_1_5_15": [round(v, 2) for v in load]}
+
+
+def report(rows: list[dict]) -> str:
+    """A Markdown table of :func:`run`'s rows: time per step and per token, memory floor, GB/s,
+    ratio to the faster PyTorch eager row of the cell (below 1.0: faster than PyTorch)."""
+    m = machine()
+    lines = [f"KV-cache decode step, d_model {D_MODEL}, {HEADS} heads, RoPE, float32; CPU {m['cpu']} "
+             f"({m['cores']} cores, shared: load {m['load_1_5_15']})", "",
+             "| batch | prefix | contender | ms/step | ms/token | floor MB/step | GB/s | vs torch |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['prefix']} | {r['contender']} | {r['ms_per_step']:.3f} | "
+                     f"{r['ms_per_token']:.3f} | {r['floor_bytes_per_step'] / 1e6:.1f} | {r['gb_per_s']:.1f} | "
+                     f"{r['ratio_vs_torch']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="prefix 1024 only, 8 rounds")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    prefixes = (1024,) if args.quick else PREFIXES
+    repeats = 8 if args.quick else args.repeats
+    rows = run(repeats, prefixes=prefixes)
+    print(report(rows))
+    out = args.out or Path(__file__).parent / "results" / f"decode-{cpu_slug()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "repeats": repeats, "steps_per_round": STEPS,
+                               "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

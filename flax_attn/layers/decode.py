@@ -1,0 +1,90 @@
+"""A compiled decoding step: one ``jax.jit`` of a layer's cached call, with the cache donated.
+
+    step = flax_attn.decode_step(layer)                      # Linen: fa.Attention(config)
+    cache = layer.init_cache(batch=B, max_len=S)
+    out, cache = step(params, cache, prompt, positions)      # prefill: (B, T0, D), (B, T0)
+    for t in range(T0, T0 + steps):
+        out, cache = step(params, cache, x_t, jnp.full((B, 1), t))   # one token: (B, 1, D)
+
+Donating the cache (``donate_argnums``) lets XLA write the new keys into the cache's own
+buffers (``lax.dynamic_update_slice`` in place) instead of copying ``B * S * K * H`` keys and
+values every step. The cache passed in is consumed: use only the one returned.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+
+def decode_step(layer, *, donate: bool = True) -> Callable:
+    """The jitted decoding step of ``layer``: ``(out, cache) = layer(x, positions, cache=cache)``.
+
+    The step compiles once per input shape (one prefill shape, one step shape), runs
+    deterministically (no dropout) and, with ``donate=True``, donates the cache so that it is
+    updated in place. The cache given to a step must not be used again (JAX deletes its
+    buffers): keep the one the step returns.
+
+    Args:
+      layer: a Linen :class:`flax_attn.Attention` (or any Linen module called as
+        ``module(x, positions, [segment_ids,] cache=cache)`` that returns ``(out, cache)``, e.g. a
+        decoder stack taking a list of caches), or an NNX :class:`flax_attn.nnx.Attention` (or
+        any NNX module with that call).
+      donate: donate the cache to the step (default True).
+
+    Returns:
+      Linen: ``step(variables, cache, x, positions, segment_ids=None) -> (out, cache)``;
+      NNX: ``step(cache, x, positions, segment_ids=None) -> (out, cache)`` (reading the
+      module's current parameters at each call). ``x`` is ``(B, T, D)``, ``positions`` and
+      ``segment_ids`` int ``(B, T)``, ``out`` ``(B, T, D)``; ``cache`` a :class:`KVCache`
+      (or the pytree of caches the module takes). ``step.jitted`` is the underlying
+      ``jax.jit`` function (e.g. ``step.jitted._cache_size()`` counts its compilations).
+
+    Example::
+
+        layer = fa.Attention(fa.AttentionConfig(d_model=768, num_heads=12, position="rope"))
+        params = layer.init(jax.random.key(0), x[:, :1], jnp.zeros((1, 1), jnp.int32))
+        step = fa.decode_step(layer)
+        cache = layer.init_cache(batch=1, max_len=2048)
+        out, cache = step(params, cache, x[:, :100], jnp.arange(100)[None])        # prefill
+        out, cache = step(params, cache, x[:, 100:101], jnp.full((1, 1), 100))     # one token
+    """
+    donate_argnums = (1,) if donate else ()
+    if isinstance(layer, nn.Module):
+        def call(variables, cache, x, positions, segment_ids):
+            args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
+            return layer.apply(variables, *args, cache=cache, **_deterministic(layer))
+
+        jitted = jax.jit(call, donate_argnums=donate_argnums)
+
+        def step(variables, cache, x, positions, segment_ids=None) -> Any:
+            return jitted(variables, cache, x, positions, segment_ids)
+
+        step.jitted = jitted
+        return step
+
+    from flax import nnx  # imported here: Linen users need not load NNX
+
+    if not isinstance(layer, nnx.Module):
+        raise TypeError(f"decode_step takes a Linen or NNX module, got {type(layer).__name__}")
+    graphdef = nnx.graphdef(layer)
+
+    def call_nnx(state, cache, x, positions, segment_ids):
+        module = nnx.merge(graphdef, state)
+        args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
+        return module(*args, cache=cache, **_deterministic(module))
+
+    jitted_nnx = jax.jit(call_nnx, donate_argnums=donate_argnums)
+
+    def step_nnx(cache, x, positions, segment_ids=None) -> Any:
+        return jitted_nnx(nnx.state(layer), cache, x, positions, segment_ids)
+
+    step_nnx.jitted = jitted_nnx
+    return step_nnx
+
+
+def _deterministic(module) -> dict:
+    """``deterministic=True`` for a layer with attention dropout (decoding never drops)."""
+    config = getattr(module, "config", None)
+    return {"deterministic": True} if getattr(config, "dropout", 0.0) else {}

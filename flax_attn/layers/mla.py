@@ -1,0 +1,423 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434, section 2.1; DeepSeek-V3).
+
+Keys and values of all N heads are decompressed from one low-rank latent per token, so a
+decoding cache holds that latent (``kv_lora_rank`` numbers) and one shared rotary key
+(``qk_rope_head_dim``) per token instead of N heads' keys and values. With ``d_n`` =
+``qk_nope_head_dim``, ``d_r`` = ``qk_rope_head_dim``, ``d_v`` = ``v_head_dim``, for each token::
+
+    c_q           = RMSNorm(x W_DQ)                       (q_a_proj, q_a_layernorm; r_q = q_lora_rank)
+    [q_n, q_r]    = c_q W_UQ  (or x W_Q without q_lora_rank)   (q_b_proj / q_proj)  N x (d_n + d_r)
+    [c_kv, k_r]   = x W_DKV                               (kv_a_proj_with_mqa)        r_kv + d_r
+    c_kv          = RMSNorm(c_kv)                         (kv_a_layernorm)
+    [k_n, v]      = c_kv W_UKV                            (kv_b_proj)            N x (d_n + d_v)
+    q = [q_n, RoPE(q_r)],  k = [k_n, RoPE(k_r) for every head]
+    o = softmax(scale q k^T, masked) v,   y = o W_O       (o_proj)                N d_v -> D
+
+The decoupled rotary part: RoPE touches only the ``d_r`` dims of each query head and the one
+``k_r`` shared by all heads (so the latent stays position-free and ``W_UK`` can be absorbed).
+The default softmax scale is ``1 / sqrt(d_n + d_r)``, times ``m(s, mscale_all_dim)^2`` with
+``m(s, a) = 0.1 a ln(s) + 1`` when a YaRN ``rope_scaling`` sets ``mscale_all_dim`` (DeepSeek-V3
+and Hugging Face ``DeepseekV3Attention`` do this; YaRN's own factor on cos and sin,
+``m(s, mscale) / m(s, mscale_all_dim)``, comes from :func:`flax_attn.positional.rope_frequencies`).
+
+**RoPE layout.** ``rope_layout='interleaved'`` (the default) rotates adjacent pairs
+``(2i, 2i + 1)``, as DeepSeek's own code does (complex multiplication) and as Hugging Face's
+``DeepseekV3Attention`` does with ``rope_interleave=True`` (its default; it rotates the even and
+odd dims and writes them back de-interleaved, which permutes query and key dims alike and so
+gives the same logits). ``'rotate_half'`` pairs dim i with i + d_r/2: Hugging Face's
+``rope_interleave=False``.
+
+**Latent cache.** :class:`LatentKVCache` stores the normalised ``c_kv`` ``(B, S, r_kv)`` and the
+rotated ``k_r`` ``(B, S, d_r)`` per slot, with positions and segment ids like
+:class:`flax_attn.KVCache`: ``r_kv + d_r`` numbers per token and layer instead of
+``N (d_n + d_r + d_v)`` (DeepSeek-V3: 576 instead of 40960, 71x smaller).
+
+**Absorbed form** (``MLAConfig(absorb=True)``): ``q_n k_n^T = (q_n W_UK^T) c_kv^T``, so the query
+is mapped into the latent space and attention runs as multi-query attention over the cached
+latents themselves (key ``[c_kv, k_r]``, value ``c_kv``), the value projection ``W_UV`` applied
+to the attention output. The same function; per decoded token it reads the latent cache once
+instead of decompressing N heads' keys and values for every cached token.
+
+The pure stage is :func:`mla_forward` with the parameter specs of :func:`mla_params`;
+:class:`MultiHeadLatentAttention` (Linen) holds the parameters and calls it. Parameter names are
+Hugging Face's (``q_a_proj``, ``kv_b_proj``, ...), so :func:`from_torch_state_dict` reads a
+``DeepseekV3Attention`` (or ``torch_ref.mla.MultiHeadLatentAttention``) state_dict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_attn import _checks
+from flax_attn.core import dot_product_attention
+from flax_attn.layers.common import (check_floating, declare, declared, dense, dropout_rng, linear_params,
+                                     rms_norm, scale_params)
+from flax_attn.positional import rope as rope_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Configuration of :class:`MultiHeadLatentAttention`; every field is also a keyword of
+    ``torch_ref.mla.MultiHeadLatentAttention``. Hugging Face ``DeepseekV3Config`` names in brackets."""
+
+    d_model: int                        # D: input and output width [hidden_size]
+    num_heads: int                      # N: attention heads [num_attention_heads]
+    kv_lora_rank: int                   # r_kv: width of the cached key/value latent c_kv
+    qk_nope_head_dim: int               # d_n: per-head query/key dims without position (from the latent)
+    qk_rope_head_dim: int               # d_r: per-head query dims and shared key dims with RoPE (even)
+    v_head_dim: int                     # d_v: per-head value dims (may differ from d_n + d_r)
+    q_lora_rank: Optional[int] = None   # r_q: low-rank queries (q_a_proj, q_a_layernorm, q_b_proj);
+    #                                     None: one q_proj D -> N (d_n + d_r) (DeepSeek-V2-Lite)
+    causal: bool = True                 # a query sees keys at its position or earlier
+    rope_theta: float = 10000.0         # RoPE frequency base
+    rope_layout: str = "interleaved"    # 'interleaved' (DeepSeek; HF rope_interleave=True) | 'rotate_half'
+    rope_scaling: Any = None            # RopeScaling or a dict of its fields (DeepSeek-V3: yarn with
+    #                                     mscale and mscale_all_dim), passed to rope_frequencies
+    rms_norm_eps: float = 1e-6          # epsilon of q_a_layernorm and kv_a_layernorm
+    attention_bias: bool = False        # biases in q_a_proj, kv_a_proj_with_mqa and o_proj (never in
+    #                                     q_proj, q_b_proj, kv_b_proj, as in DeepSeek)
+    dropout: float = 0.0                # dropout on the attention weights [attention_dropout]
+    scale: Optional[float] = None       # softmax scale (None: 1/sqrt(d_n + d_r), times YaRN's
+    #                                     m(factor, mscale_all_dim)^2 when rope_scaling sets it)
+    absorb: bool = False                # attend in the latent space (W_UK into the query, W_UV after):
+    #                                     the same function, cheaper decoding
+
+    def __post_init__(self):
+        for name in ("d_model", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _checks.check_positive_int(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _checks.check_positive_int("q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs of dims), got {self.qk_rope_head_dim}")
+        _checks.check_one_of("rope_layout", self.rope_layout, rope_lib.LAYOUTS)
+        object.__setattr__(self, "rope_scaling", rope_lib.as_scaling(self.rope_scaling))
+        rope_lib.rope_frequencies(self.qk_rope_head_dim, theta=self.rope_theta, scaling=self.rope_scaling)
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        _checks.check_rate("dropout", self.dropout)
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise ValueError(f"scale must be a positive number or None, got {self.scale!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """``d_n + d_r``: the query/key head dim of the plain form."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``scale`` if given, else ``1/sqrt(d_n + d_r)`` times ``m(factor, mscale_all_dim)^2`` for a
+        YaRN ``rope_scaling`` with ``mscale_all_dim`` (``m(s, a) = 0.1 a ln(s) + 1``, 1 for s <= 1)."""
+        if self.scale is not None:
+            return float(self.scale)
+        scale = 1.0 / math.sqrt(self.qk_head_dim)
+        rs = self.rope_scaling
+        if rs is not None and rs.kind == "yarn" and rs.mscale_all_dim:
+            s = float(rs.factor)
+            m = 0.1 * rs.mscale_all_dim * math.log(s) + 1.0 if s > 1 else 1.0
+            scale *= m * m
+        return scale
+
+    @property
+    def cache_width(self) -> int:
+        """Numbers the latent cache stores per token: ``r_kv + d_r``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def full_cache_width(self) -> int:
+        """Numbers a cache of every head's keys and values would store per token: ``N (d_n + d_r + d_v)``."""
+        return self.num_heads * (self.qk_head_dim + self.v_head_dim)
+
+    def init_cache(self, batch: int, max_len: int, *, dtype=jnp.float32) -> "LatentKVCache":
+        """An empty :class:`LatentKVCache` of ``max_len`` slots: ``c_kv`` ``(B, S, r_kv)``, ``k_pe``
+        ``(B, S, d_r)``. ``dtype`` must be that of the latents the layer computes (the result type of
+        ``x`` and the parameters); :meth:`MultiHeadLatentAttention.init_cache` defaults to ``param_dtype``."""
+        return LatentKVCache.create(batch=batch, max_len=max_len, kv_lora_rank=self.kv_lora_rank,
+                                    rope_dim=self.qk_rope_head_dim, dtype=dtype)
+
+
+@flax.struct.dataclass
+class LatentKVCache:
+    """MLA's decoding cache: per slot the normalised latent ``c_kv`` ``(B, S, r_kv)``, the rotated
+    shared key ``k_pe`` ``(B, S, d_r)``, the position and segment id ``(B, S)`` (empty slots: -1,
+    never attended to), and ``length`` (int32 scalar), the tokens written so far.
+
+    Fixed shapes (a jitted step compiles once); new tokens are written in place at ``length``
+    with ``lax.dynamic_update_slice``. Overflow raises ``ValueError`` (eagerly; under ``jax.jit``
+    when the compiled program runs).
+    """
+
+    c_kv: Any
+    k_pe: Any
+    positions: Any
+    segment_ids: Any
+    length: Any
+
+    @classmethod
+    def create(cls, *, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
+               dtype=jnp.float32) -> "LatentKVCache":
+        """An empty cache (latents zero, segment ids -1): B = ``batch``, S = ``max_len``."""
+        for name, v in (("batch", batch), ("max_len", max_len), ("kv_lora_rank", kv_lora_rank),
+                        ("rope_dim", rope_dim)):
+            _checks.check_positive_int(name, v)
+        return cls(c_kv=jnp.zeros((batch, max_len, kv_lora_rank), dtype),
+                   k_pe=jnp.zeros((batch, max_len, rope_dim), dtype),
+                   positions=jnp.zeros((batch, max_len), jnp.int32),
+                   segment_ids=jnp.full((batch, max_len), -1, jnp.int32),
+                   length=jnp.zeros((), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.c_kv.shape[1]
+
+    @property
+    def dtype(self):
+        return self.c_kv.dtype
+
+    def update(self, c_kv, k_pe, positions, segment_ids) -> "LatentKVCache":
+        """The cache with ``T`` new tokens written after the ``length`` already there.
+
+        Args:
+          c_kv: ``(B, T, r_kv)``; k_pe: ``(B, T, d_r)``; positions, segment_ids: int ``(B, T)``.
+
+        Returns:
+          The new cache (same shapes); ``length`` grows by T.
+        """
+        B, S, R = self.c_kv.shape
+        T = c_kv.shape[1] if np.ndim(c_kv) == 3 else None
+        dr = self.k_pe.shape[-1]
+        if T is None or c_kv.shape != (B, T, R) or k_pe.shape != (B, T, dr):
+            raise ValueError(f"new latents c_kv {_checks.shape_of(c_kv)} / k_pe {_checks.shape_of(k_pe)} do not fit "
+                             f"the cache's c_kv {self.c_kv.shape} / k_pe {self.k_pe.shape}")
+        if _checks.shape_of(positions) != (B, T) or _checks.shape_of(segment_ids) != (B, T):
+            raise ValueError(f"positions {_checks.shape_of(positions)} and segment_ids "
+                             f"{_checks.shape_of(segment_ids)} must be {(B, T)}")
+        if T > S:
+            raise ValueError(f"{T} new tokens do not fit a latent cache of max_len={S}")
+        _checks.runtime_check(
+            self.length + T <= S,
+            "latent KV cache overflow: {length} cached + {new} new tokens > max_len={max_len}; "
+            "create a larger cache (MLAConfig.init_cache(batch, max_len))",
+            length=self.length, new=T, max_len=S)
+
+        def write(buf, new):
+            return jax.lax.dynamic_update_slice_in_dim(buf, jnp.asarray(new).astype(buf.dtype), self.length, axis=1)
+
+        return self.replace(c_kv=write(self.c_kv, c_kv), k_pe=write(self.k_pe, k_pe),
+                            positions=write(self.positions, positions),
+                            segment_ids=write(self.segment_ids, segment_ids), length=self.length + T)
+
+
+def mla_params(config: MLAConfig) -> dict:
+    """The parameter specs (:class:`flax_attn.layers.common.ParamSpec`), Hugging Face's names:
+
+    with ``q_lora_rank``: ``q_a_proj`` ``(D, r_q)``, ``q_a_layernorm`` ``scale (r_q,)``, ``q_b_proj``
+    ``(r_q, N (d_n + d_r))``; without: ``q_proj`` ``(D, N (d_n + d_r))``. Always
+    ``kv_a_proj_with_mqa`` ``(D, r_kv + d_r)``, ``kv_a_layernorm`` ``scale (r_kv,)``, ``kv_b_proj``
+    ``(r_kv, N (d_n + d_v))`` (per head: d_n key dims, then d_v value dims), ``o_proj`` ``(N d_v, D)``.
+    Biases (``attention_bias``) on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``.
+    """
+    c = config
+    N, D, bias = c.num_heads, c.d_model, c.attention_bias
+    specs = {}
+    if c.q_lora_rank is None:
+        specs["q_proj"] = linear_params(D, N * c.qk_head_dim, use_bias=False)
+    else:
+        specs["q_a_proj"] = linear_params(D, c.q_lora_rank, use_bias=bias)
+        specs["q_a_layernorm"] = scale_params(c.q_lora_rank)
+        specs["q_b_proj"] = linear_params(c.q_lora_rank, N * c.qk_head_dim, use_bias=False)
+    specs["kv_a_proj_with_mqa"] = linear_params(D, c.kv_lora_rank + c.qk_rope_head_dim, use_bias=bias)
+    specs["kv_a_layernorm"] = scale_params(c.kv_lora_rank)
+    specs["kv_b_proj"] = linear_params(c.kv_lora_rank, N * (c.qk_nope_head_dim + c.v_head_dim), use_bias=False)
+    specs["o_proj"] = linear_params(N * c.v_head_dim, D, use_bias=bias)
+    return specs
+
+
+def _per_token(name, value, batch, length):
+    if value is None:
+        return None
+    _checks.check_integer(name, value)
+    shape = _checks.shape_of(value)
+    if shape not in ((length,), (1, length), (batch, length)):
+        raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
+    return jnp.broadcast_to(jnp.asarray(value, jnp.int32), (batch, length))
+
+
+def _rope(config: MLAConfig, x, positions):
+    return rope_lib.apply_rope(x, positions, theta=config.rope_theta, layout=config.rope_layout,
+                               scaling=config.rope_scaling)
+
+
+def mla_forward(config: MLAConfig, params: Mapping, x, positions, segment_ids=None, mask=None,
+                cache: Optional[LatentKVCache] = None, *, dropout_rng=None, precision=None, implementation=None):
+    """Multi-head latent attention as a pure function (see the module docstring for the formulas).
+
+    Args:
+      config: the :class:`MLAConfig`.
+      params: the tree of :func:`mla_params` (``variables['params']`` of the Linen layer).
+      x: floating ``(B, T, D)``.
+      positions: int ``(B, T)`` or ``(T,)``: RoPE angles and the causal rule compare them.
+      segment_ids: int ``(B, T)``: packed sequences attend within their segment; negative ids
+        are padding (never attended to; such queries return zeros).
+      mask: extra boolean mask, True = may attend, broadcastable to ``(B, N, T, S)`` (S = T, or
+        the cache's ``max_len`` with a cache).
+      cache: a :class:`LatentKVCache`: the new tokens' latents are written into it and the call
+        attends over every cached token; returns ``(output, new_cache)``.
+      dropout_rng: PRNG key for dropout on the attention weights, or None (no dropout).
+      precision, implementation: for the matmuls and :func:`flax_attn.dot_product_attention`.
+
+    Returns:
+      ``(B, T, D)``, or ``(output, new_cache)`` with a cache.
+    """
+    c = config
+    N, D = c.num_heads, c.d_model
+    dn, dr, dv, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    _checks.check_rank("x", x, 3, "(B, T, D)")
+    check_floating("MultiHeadLatentAttention", "x", x)
+    if x.shape[-1] != D:
+        raise ValueError(f"x has shape {x.shape}: its last dim must be d_model={D}")
+    B, T, _ = x.shape
+    if positions is None:
+        raise ValueError(f"positions are required (RoPE and the causal rule use them): pass positions of shape "
+                         f"({B}, {T})")
+    positions = _per_token("positions", positions, B, T)
+    segment_ids = _per_token("segment_ids", segment_ids, B, T)
+    if cache is not None:
+        if not isinstance(cache, LatentKVCache):
+            raise TypeError(f"cache must be a LatentKVCache (MLAConfig.init_cache), got {type(cache).__name__}")
+        a = params["kv_a_proj_with_mqa"]
+        latent_dtype = jnp.result_type(x, a["kernel"], *(() if "bias" not in a else (a["bias"],)),
+                                       params["kv_a_layernorm"]["scale"])
+        if cache.dtype != latent_dtype:
+            raise TypeError(f"latent cache dtype {cache.dtype} does not match the latents' dtype {latent_dtype}: "
+                            f"create it with dtype={latent_dtype} (MLAConfig.init_cache(..., dtype=...))")
+
+    if c.q_lora_rank is None:
+        q = dense(params["q_proj"], x, precision)
+    else:
+        q = dense(params["q_b_proj"], rms_norm(params["q_a_layernorm"], dense(params["q_a_proj"], x, precision),
+                                               c.rms_norm_eps), precision)
+    q = q.reshape(B, T, N, dn + dr)
+    q_nope, q_pe = q[..., :dn], _rope(c, q[..., dn:], positions)
+    latent = dense(params["kv_a_proj_with_mqa"], x, precision)
+    c_kv = rms_norm(params["kv_a_layernorm"], latent[..., :R], c.rms_norm_eps)   # (B, T, r_kv)
+    k_pe = _rope(c, latent[..., None, R:], positions)[:, :, 0]                   # (B, T, d_r), shared by heads
+
+    key_positions, key_segments, new_cache = positions, segment_ids, None
+    if cache is not None:
+        if segment_ids is None:
+            segment_ids = jnp.zeros((B, T), jnp.int32)
+        pad = (segment_ids < 0)[..., None]  # padding keeps zeros in its slots (no garbage cached)
+        new_cache = cache.update(jnp.where(pad, 0, c_kv), jnp.where(pad, 0, k_pe), positions, segment_ids)
+        c_kv, k_pe = new_cache.c_kv, new_cache.k_pe
+        key_positions, key_segments = new_cache.positions, new_cache.segment_ids
+    S = c_kv.shape[1]
+
+    kv_b = params["kv_b_proj"]["kernel"].reshape(R, N, dn + dv)
+    attend = dict(scale=c.softmax_scale, is_causal=c.causal, query_positions=positions, key_positions=key_positions,
+                  query_segment_ids=segment_ids, key_segment_ids=key_segments,
+                  dropout_rate=c.dropout if dropout_rng is not None else 0.0, dropout_rng=dropout_rng,
+                  precision=precision, implementation=implementation)
+    if c.absorb:
+        # q_n . k_n = (q_n W_UK^T) . c_kv: multi-query attention over the latents themselves.
+        dtype = jnp.result_type(q_nope, kv_b)
+        q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope.astype(dtype), kv_b[..., :dn].astype(dtype),
+                              precision=precision)
+        query = jnp.concatenate([q_latent, q_pe.astype(dtype)], axis=-1)                 # (B, T, N, r_kv + d_r)
+        key = jnp.concatenate([c_kv, k_pe], axis=-1)[:, :, None, :].astype(dtype)        # (B, S, 1, r_kv + d_r)
+        o_latent = dot_product_attention(query, key, c_kv[:, :, None, :].astype(dtype), None, mask, **attend)
+        out = jnp.einsum("BTNR,RNV->BTNV", o_latent, kv_b[..., dn:].astype(dtype), precision=precision)
+    else:
+        kv = dense(params["kv_b_proj"], c_kv, precision).reshape(B, S, N, dn + dv)
+        key = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_pe[:, :, None, :], (B, S, N, dr)).astype(kv.dtype)],
+                              axis=-1)                                                    # (B, S, N, d_n + d_r)
+        query = jnp.concatenate([q_nope, q_pe], axis=-1)
+        out = dot_product_attention(query, key, kv[..., dn:], None, mask, **attend)     # (B, T, N, d_v)
+    out = dense(params["o_proj"], out.reshape(B, T, N * dv), precision)
+    return out if cache is None else (out, new_cache)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3) configured by :class:`MLAConfig`.
+
+    Parameters (:func:`mla_params`, Hugging Face's names): ``q_proj`` or ``q_a_proj`` /
+    ``q_a_layernorm`` / ``q_b_proj``; ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
+    ``o_proj``. The PyTorch twin is ``torch_ref.mla.MultiHeadLatentAttention``.
+
+    Call (arrays by position in this order or by name; options keyword-only):
+      x: floating ``(B, T, D)``.
+      positions: int ``(B, T)`` or ``(T,)`` (required).
+      segment_ids: int ``(B, T)``; negative ids mark padding.
+      mask: extra boolean mask, True = may attend, broadcastable to ``(B, N, T, S)``.
+      cache: a :class:`LatentKVCache`; the call returns ``(output, new_cache)``.
+      deterministic: required when ``dropout > 0``.
+
+    Returns:
+      ``(B, T, D)``, or ``(output, new_cache)`` when a cache is given.
+    """
+
+    config: MLAConfig
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    implementation: Optional[str] = None
+
+    def setup(self):
+        declare(self, mla_params(self.config), self.param_dtype)
+
+    def init_cache(self, batch: int, max_len: int, *, dtype=None) -> LatentKVCache:
+        """An empty :class:`LatentKVCache` (``dtype`` defaults to ``param_dtype``); callable unbound."""
+        return self.config.init_cache(batch, max_len, dtype=self.param_dtype if dtype is None else dtype)
+
+    def __call__(self, x, positions=None, segment_ids=None, mask=None, cache: Optional[LatentKVCache] = None, *,
+                 deterministic: Optional[bool] = None):
+        params = declared(self, mla_params(self.config))
+        rng = dropout_rng(self, self.config.dropout, deterministic, "MultiHeadLatentAttention")
+        return mla_forward(self.config, params, x, positions, segment_ids, mask, cache, dropout_rng=rng,
+                           precision=self.precision, implementation=self.implementation)
+
+
+# --------------------------------------------------------------------------- PyTorch weights
+
+def _template(config: MLAConfig) -> dict:
+    return {name: {leaf: jax.ShapeDtypeStruct(spec.shape, jnp.float32) for leaf, spec in sub.items()}
+            for name, sub in mla_params(config).items()}
+
+
+def from_torch_state_dict(config: MLAConfig, state_dict: Mapping[str, Any], *, prefix: str = "", dtype=None) -> dict:
+    """Variables ``{'params': ...}`` from a PyTorch state_dict with Hugging Face's names.
+
+    ``state_dict``: NumPy arrays (``torch_ref.state_dict_to_numpy``) of a
+    ``torch_ref.mla.MultiHeadLatentAttention`` or a ``DeepseekV3Attention``; an ``nn.Linear``
+    weight ``(out, in)`` becomes a ``kernel`` ``(in, out)``, an RMSNorm ``weight`` a ``scale``.
+    ``prefix`` (e.g. ``'model.layers.0.self_attn.'``) selects one layer of a model's state_dict:
+    only entries starting with it are read. Strict as :func:`flax_attn.interop.params_from_state_dict`
+    (every missing, unexpected or mis-shaped entry listed in one ``StateDictError``); ``dtype``
+    converts on purpose.
+    """
+    from flax_attn import interop  # the generic converter (imported here: layers sit below interop)
+
+    entries = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    return {"params": interop.params_from_state_dict(entries, _template(config), dtype=dtype)}
+
+
+def to_torch_state_dict(config: MLAConfig, variables, *, prefix: str = "") -> dict[str, np.ndarray]:
+    """The state_dict (NumPy arrays, Hugging Face's names, each prefixed by ``prefix``) of
+    ``variables`` (``{'params': ...}`` or the params tree), checked against ``config``'s shapes."""
+    from flax_attn import interop
+    from flax import traverse_util
+
+    params = variables["params"] if "params" in variables else variables
+    got, want = traverse_util.flatten_dict(params), traverse_util.flatten_dict(_template(config))
+    problems = [f"missing parameter {'/'.join(p)}" for p in sorted(set(want) - set(got))]
+    problems += [f"unexpected parameter {'/'.join(p)}" for p in sorted(set(got) - set(want))]
+    problems += [f"parameter {'/'.join(p)} has shape {tuple(np.shape(got[p]))}, expected {want[p].shape}"
+                 for p in sorted(set(got) & set(want)) if tuple(np.shape(got[p])) != tuple(want[p].shape)]
+    if problems:
+        raise interop.StateDictError("params do not fit the MLA configuration:\n  " + "\n  ".join(problems))
+    return {prefix + k: v for k, v in interop.params_to_state_dict(params).items()}

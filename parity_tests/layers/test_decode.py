@@ -1,0 +1,170 @@
+"""The decoding path: keys written into the cache in place, attention over the cache itself,
+both cache layouts, the jitted step with the cache donated (flax_attn.decode_step, Linen and
+NNX), the cache's dtype, and padding that never reaches the cache."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_attn as fa
+from conftest import assert_close
+
+D, N = 16, 4
+
+
+def _setup(cfg=None, T=10, B=2, dtype=jnp.float32, seed=0):
+    config = fa.AttentionConfig(d_model=D, num_heads=N, **(cfg or {}))
+    layer = fa.Attention(config, param_dtype=dtype)
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, D)), dtype)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    params = layer.init(jax.random.key(seed), x, positions)
+    return config, layer, params, x, positions
+
+
+@pytest.mark.parametrize("cfg", [{"num_kv_heads": 2}, {"num_kv_heads": 1, "sliding_window": 3}],
+                         ids=["gqa", "mqa-window"])
+def test_bksh_layout_decodes_like_the_full_pass(cfg):
+    config, layer, params, x, positions = _setup(cfg)
+    full = layer.apply(params, x, positions)
+    caches = {lay: layer.init_cache(2, 12, layout=lay) for lay in ("BSKH", "BKSH")}
+    assert caches["BKSH"].key.shape == (2 * config.kv_heads, 12, D // N)  # (B*K, S, H), batch-major
+    outs = {}
+    for lay, cache in caches.items():
+        out, cache = layer.apply(params, x[:, :4], positions[:, :4], cache=cache)
+        pieces = [out]
+        for t in range(4, 10):
+            out, cache = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], cache=cache)
+            pieces.append(out)
+        outs[lay] = jnp.concatenate(pieces, axis=1)
+        caches[lay] = cache
+        assert_close(outs[lay], full, np.float32, f"{lay} decode vs full pass")
+    # the same keys in either order of axes
+    np.testing.assert_array_equal(caches["BKSH"].keys(), caches["BSKH"].key)
+    np.testing.assert_array_equal(caches["BKSH"].values(), caches["BSKH"].value)
+    if config.sliding_window:
+        # a rolling ring of max_len = window: the prompt is attended with the ring and its own keys,
+        # each step writes its slot first and attends over the ring alone
+        ring = layer.init_cache(2, config.sliding_window, rolling=True)
+        out, ring = layer.apply(params, x[:, :4], positions[:, :4], cache=ring)
+        pieces = [out]
+        for t in range(4, 10):
+            out, ring = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], cache=ring)
+            pieces.append(out)
+        assert ring.key.shape == (2 * 1, config.sliding_window, D // N)
+        assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, "rolling BKSH decode vs full pass")
+    rolled = caches["BKSH"].truncate(5)
+    np.testing.assert_array_equal(rolled.keys()[:, 5:], 0.0)
+    np.testing.assert_array_equal(rolled.keys()[:, :5], caches["BSKH"].key[:, :5])
+
+
+def test_decode_step_linen_jits_once_and_updates_in_place():
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2})
+    full = layer.apply(params, x, positions)
+    step = fa.decode_step(layer)
+    cache = layer.init_cache(2, 12, layout="BKSH")
+    out, cache = step(params, cache, x[:, :4], positions[:, :4])  # prefill: its own compilation
+    pieces = [out]
+    for t in range(4, 10):
+        before = cache
+        pointer = cache.key.unsafe_buffer_pointer()
+        out, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])
+        pieces.append(out)
+        assert before.key.is_deleted() and before.value.is_deleted()  # donated
+        assert cache.key.unsafe_buffer_pointer() == pointer            # written in place, not copied
+    assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, "decode_step vs full pass")
+    assert int(cache.length) == 10
+    assert step.jitted._cache_size() == 2  # one compilation for the prompt's shape, one for all steps
+    # a layer with dropout decodes deterministically
+    drop = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2, dropout=0.5))
+    out, _ = fa.decode_step(drop, donate=False)(params, drop.init_cache(2, 4), x[:, :2], positions[:, :2])
+    assert_close(out, full[:, :2], np.float32, "dropout layer decodes without dropout")
+
+
+def test_decode_step_nnx_equals_linen():
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2, "qk_norm": True})
+    model = fa.nnx.from_linen(layer, params)
+    step_l, step_n = fa.decode_step(layer), fa.decode_step(model)
+    cache_l, cache_n = layer.init_cache(2, 12), model.init_cache(2, 12)
+    for lo, hi in [(0, 3)] + [(t, t + 1) for t in range(3, 6)]:
+        out_l, cache_l = step_l(params, cache_l, x[:, lo:hi], positions[:, lo:hi])
+        out_n, cache_n = step_n(cache_n, x[:, lo:hi], positions[:, lo:hi])
+        np.testing.assert_allclose(out_n, out_l, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(cache_n.key, cache_l.key)
+    with pytest.raises(TypeError, match="decode_step takes a Linen or NNX module, got function"):
+        fa.decode_step(lambda x: x)
+
+
+def test_cache_dtype_follows_the_layer_and_a_mismatch_is_an_error():
+    for dtype in (jnp.float64, jnp.bfloat16, jnp.float32):
+        layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N), param_dtype=dtype)
+        assert layer.init_cache(1, 4).key.dtype == dtype
+        assert fa.nnx.Attention(layer.config, param_dtype=dtype, rngs=nnx.Rngs(0)).init_cache(1, 4).value.dtype == dtype
+    assert fa.AttentionConfig(d_model=D, num_heads=N).init_cache(1, 4).key.dtype == jnp.float32
+    # float64 layer, float32 cache: an error naming both dtypes, never a silent rounding
+    config, layer, params, x, positions = _setup(dtype=jnp.float64)
+    with pytest.raises(TypeError, match="KV cache dtype float32 does not match the keys' dtype float64"):
+        layer.apply(params, x[:, :2], positions[:, :2], cache=config.init_cache(2, 8))
+    # bfloat16 layer with the default cache of its dtype: decodes like its full pass (bf16 rounding)
+    config, layer, params, x, positions = _setup(dtype=jnp.bfloat16, T=6)
+    full = layer.apply(params, x, positions).astype(np.float32)
+    cache, pieces = layer.init_cache(2, 8), []
+    for lo, hi in [(0, 3), (3, 4), (4, 5), (5, 6)]:
+        out, cache = layer.apply(params, x[:, lo:hi], positions[:, lo:hi], cache=cache)
+        pieces.append(out)
+    assert cache.key.dtype == jnp.bfloat16
+    err = float(jnp.max(jnp.abs(jnp.concatenate(pieces, 1).astype(np.float32) - full)) / jnp.max(jnp.abs(full)))
+    assert err <= 2 * 2.0 ** -8, f"bfloat16 decode vs full pass: {err:.2e}"
+
+
+def test_padding_never_reaches_the_cache():
+    # Left padding with NaN embeddings: the padded slots hold zeros and the real tokens decode
+    # as if alone (the padded keys are blocked, and 0 * NaN cannot leak).
+    config, layer, params, x, _ = _setup({"num_kv_heads": 2})
+    segments = jnp.array([[0] * 10, [-1, -1, -1] + [0] * 7])
+    positions = jnp.array([list(range(10)), [0, 0, 0] + list(range(7))])
+    x = x.at[1, :3].set(jnp.nan)
+    cache = layer.init_cache(2, 10, layout="BKSH")
+    out, cache = layer.apply(params, x[:, :5], positions[:, :5], segments[:, :5], cache=cache)
+    pieces = [out]
+    for t in range(5, 10):
+        out, cache = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], cache=cache)  # no segment ids
+        pieces.append(out)
+    assert np.isfinite(np.asarray(cache.key)).all() and np.isfinite(np.asarray(cache.value)).all()
+    np.testing.assert_array_equal(cache.keys()[1, :3], 0.0)
+    alone = layer.apply(params, x[1:, 3:], positions[1:, 3:])
+    assert_close(jnp.concatenate(pieces, 1)[1, 3:], alone[0], np.float32, "left-padded row")
+
+
+def test_steps_keep_to_their_segment():
+    # A row holding two packed sequences (segments 0 then 1): steps of segment 1 do not see
+    # segment 0, exactly as the full pass with segment ids.
+    config, layer, params, x, _ = _setup({"num_kv_heads": 2})
+    segments = jnp.array([[0] * 4 + [1] * 6, [0] * 10])
+    positions = jnp.broadcast_to(jnp.arange(10), (2, 10))  # a linear cache's positions only go forward
+    full = layer.apply(params, x, positions, segments)
+    cache = layer.init_cache(2, 10)
+    out, cache = layer.apply(params, x[:, :6], positions[:, :6], segments[:, :6], cache=cache)
+    pieces = [out]
+    for t in range(6, 10):
+        out, cache = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], segments[:, t:t + 1], cache=cache)
+        pieces.append(out)
+    assert_close(jnp.concatenate(pieces, 1), full, np.float32, "packed decode vs full pass")
+
+
+def test_benchmark_rows_and_report():
+    # benchmarks/decode.py at the smallest cell it runs: the contenders agree before timing
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    rows = bench.cell(batch=1, prefix=64, repeats=1)
+    assert {"flax_attn BKSH", "flax_attn BSKH", "torch eager"} <= {r["contender"] for r in rows}
+    assert min(r["ratio_vs_torch"] for r in rows if r["contender"].startswith("torch")) == 1.0
+    floor = 4 * 768 * 768 * 4 + 2 * 64 * 768 * 4  # the weights and the 64 cached keys and values, float32
+    assert all(r["ms_per_step"] > 0 and floor < r["floor_bytes_per_step"] < floor + 2 * 16 * 768 * 4 for r in rows)
+    assert "| 1 | 64 | torch eager |" in bench.report(rows)
