@@ -137,8 +137,7 @@ class KVCache:
         T = key.shape[1]
         if key.shape != (B, T, K, H) or value.shape != (B, T, K, self.value.shape[-1]):
             raise ValueError(f"new keys {key.shape} / values {value.shape} do not fit the cache's "
-                             f"keys {self.key.shape} / values {self.value.shape}"
-                             + ("" if self.layout == "BSKH" else " (layout BKSH)"))
+                             f"keys {self.keys().shape} / values {self.values().shape} (B, S, K, H)")
         if positions.shape != (B, T) or segment_ids.shape != (B, T):
             raise ValueError(f"positions {positions.shape} and segment_ids {segment_ids.shape} must be {(B, T)}")
         if not self.rolling and T > S:
