@@ -136,6 +136,10 @@ def main(argv=None):
           f"model of {n_params:,} parameters ({LAYERS} blocks, width {WIDTH}, "
           f"{ATTENTION.num_heads} query / {ATTENTION.kv_heads} key-value heads, "
           f"{'tied' if not args.untied else 'untied'} output); {steps} steps of {BATCH} x {CONTEXT} characters")
+    def sample_batch(rng):
+        starts = rng.integers(0, len(train) - CONTEXT - 1, size=BATCH)
+        return np.stack([train[s:s + CONTEXT + 1] for s in starts])
+
     rng = np.random.default_rng(args.seed)
     history, evals = [], []
     first_eval = mean_loss(params, eval_train)
@@ -143,9 +147,7 @@ def main(argv=None):
     start = time.perf_counter()
     every = max(1, steps // (3 if args.quick else 10))
     for step in range(1, steps + 1):
-        starts = rng.integers(0, len(train) - CONTEXT - 1, size=BATCH)
-        batch = np.stack([train[s:s + CONTEXT + 1] for s in starts])
-        params, opt_state, loss = train_step(params, opt_state, batch)
+        params, opt_state, loss = train_step(params, opt_state, sample_batch(rng))
         history.append(float(loss))
         if step % every == 0 or step == steps:
             evals.append((step, mean_loss(params, eval_train), mean_loss(params, eval_held_out)))
@@ -170,6 +172,18 @@ def main(argv=None):
         print(f"FAILED: the training loss went from {first_eval:.4f} to {final_train:.4f}: not down by 0.5")
         return 1
     if args.quick:
+        # Deterministic given the seed: the first steps again, from a new initialisation and a new
+        # batch generator with the same seed, give the same batch losses bit for bit.
+        p = model.init(jax.random.key(args.seed), jnp.zeros((1, CONTEXT), jnp.int32), positions)
+        state, again, repeat_rng = optimizer.init(p), [], np.random.default_rng(args.seed)
+        for _ in range(every):
+            p, state, loss = train_step(p, state, sample_batch(repeat_rng))
+            again.append(float(loss))
+        if again != history[:every]:
+            print(f"FAILED: the first {every} steps from seed {args.seed} again gave other losses: "
+                  f"{again} != {history[:every]}")
+            return 1
+        print(f"repeat from the seed: the first {every} batch losses are identical")
         print(f"quick check passed: training loss {first_eval:.4f} -> {final_train:.4f}")
     return 0
 

@@ -8,6 +8,7 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, expect", [
     ("chapter_walkthrough.py", "22 of 22 printed numbers reproduced."),
     ("tiny_decoder.py", "same tokens: True"),
@@ -20,6 +21,7 @@ def test_example_runs(script, expect):
     assert expect in result.stdout
 
 
+@pytest.mark.slow
 def test_benchmark_suite_runs(tmp_path):
     # Tiny sizes, one repeat: checks that the suite runs and writes its files. No timing is judged.
     root = EXAMPLES.parent

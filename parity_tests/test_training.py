@@ -140,6 +140,7 @@ def _run_quick(out, seed=0):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_train_decoder_quick_learns_and_is_deterministic(tmp_path):
     first = _run_quick(tmp_path / "a")
     assert "quick check passed: training loss" in first
@@ -153,7 +154,6 @@ def test_train_decoder_quick_learns_and_is_deterministic(tmp_path):
     assert final_held_out < baseline  # 40 steps already beat the unigram model
     png = tmp_path / "a" / "train_decoder_loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # Deterministic given the seed: the same losses and sample, line for line (timings aside).
-    second = _run_quick(tmp_path / "b")
-    strip = lambda s: [l for l in s.splitlines() if not re.search(r"\d s\)$|ms per step|^wrote ", l)]
-    assert strip(first) == strip(second)
+    # Deterministic given the seed: the example trains its first steps again from the seed and
+    # exits non-zero unless the batch losses are the same bit for bit.
+    assert re.search(r"repeat from the seed: the first \d+ batch losses are identical", first)

@@ -1,8 +1,8 @@
 """Conformance: every attention implementation that runs here, held to one float64 reference.
 
 Each registered implementation available on this platform (on CPU: ``xla`` and ``blockwise``),
-plus the blockwise path with tiny blocks (8/8/4, and odd 7/6/3, so that every block-skipping
-branch runs on small shapes) and JAX's Pallas kernels in interpret mode (section 7), is
+plus the blockwise path with tiny blocks (7 x 6 everywhere, 8 x 4 in the feature cases, so
+that every block-skipping branch runs on small shapes) and JAX's Pallas kernels in interpret mode (section 7), is
 compared with :func:`reference`, a dense and obviously correct attention written below in
 float64 from the documented rules: outputs and gradients with respect to query, key, value and
 bias, by max relative error ``max|a - b| / max|b|``.
@@ -65,21 +65,38 @@ INTERPRETED = (
 )
 
 
-def _implementations():
+# The blockwise path again with tiny blocks, so that on these small shapes every query and key
+# block kind runs (empty, full, partial; padded last blocks; T > S): 7 x 6 blocks, dividing no
+# length, in every test; 8 x 4 (query blocks a multiple of the key blocks) in test_features only.
+TINY_BLOCKS = (7, 6)
+TINY_BLOCKS_FEATURES = (8, 4)
+
+
+def _implementations(tiny_blocks=(TINY_BLOCKS,)):
     """(id, implementation) for every registered implementation that runs on this platform
-    (``registry.available()``), the blockwise path again with tiny blocks, and each Pallas
-    kernel in interpret mode."""
+    (``registry.available()``), the blockwise path again with each of ``tiny_blocks``, and
+    each Pallas kernel in interpret mode."""
     found = [(impl.name, impl) for impl in registry.available()]
     for name, impl in list(found):
         if isinstance(impl, Blockwise):
-            for bq, bk in ((8, 8), (7, 6), (8, 4)):
-                tiny = dataclasses.replace(impl, block_q=bq, block_k=bk)
-                found.append((f"{name}-{bq}-{bk}", tiny))
+            for bq, bk in tiny_blocks:
+                found.append((f"{name}-{bq}-{bk}", dataclasses.replace(impl, block_q=bq, block_k=bk)))
     return found + list(INTERPRETED)
 
 
 IMPLS = _implementations()
-IMPL_PARAMS = [pytest.param(impl, id=name) for name, impl in IMPLS]
+FEATURE_IMPLS = IMPLS + [(n, i) for n, i in _implementations((TINY_BLOCKS_FEATURES,)) if n not in dict(IMPLS)]
+
+
+def _params(impls):
+    """pytest parameters; the variants (tiny blocks, interpreted kernels) marked slow."""
+    registered = {impl.name for impl in registry.available()}
+    return [pytest.param(impl, id=name, marks=() if name in registered else pytest.mark.slow)
+            for name, impl in impls]
+
+
+IMPL_PARAMS = _params(IMPLS)
+FEATURE_IMPL_PARAMS = _params(FEATURE_IMPLS)
 
 
 # Serve every call of this suite (no dropout, no returned weights): a refusal is a failure.
@@ -112,7 +129,7 @@ def skip_declined(test):
 def impl_name(impl) -> str:
     if impl is None or isinstance(impl, str):
         return impl or "auto"
-    return next((n for n, i in IMPLS if i is impl), impl.name)
+    return next((n for n, i in FEATURE_IMPLS if i is impl), impl.name)
 
 
 # ============================================================================ the reference
@@ -512,7 +529,7 @@ def everything_case(name="everything", dtype=np.float64):
 FEATURES = feature_cases()
 
 
-@pytest.mark.parametrize("impl", IMPL_PARAMS)
+@pytest.mark.parametrize("impl", FEATURE_IMPL_PARAMS)
 def test_features(impl):
     """GQA/MQA, causal with T < S and T > S, windows (incl. (0, 0) and with causal), packed
     segments, lengths (incl. 0), shuffled positions with offsets, soft-cap, bias with mask,
@@ -986,7 +1003,8 @@ def test_every_platform_implementation_is_under_test():
     names = [n for n, _ in IMPLS]
     assert "xla" in names
     if jax.default_backend() == "cpu":
-        assert {"xla", "blockwise", "blockwise-8-8", "blockwise-7-6", "blockwise-8-4"} <= set(names)
+        assert {"xla", "blockwise", "blockwise-7-6"} <= set(names)
+        assert {n for n, _ in FEATURE_IMPLS} - set(names) == {"blockwise-8-4"}
     pallas = {impl.name for impl in registry.implementations() if hasattr(impl, "interpret")}
     assert pallas == {"splash", "pallas_triton", "pallas_decode"} == {i.name for _, i in INTERPRETED}
     assert all(i.interpret for _, i in INTERPRETED)
@@ -999,7 +1017,7 @@ def test_every_platform_implementation_is_under_test():
 # lengths that are not multiples of the blocks. Each kernel runs every case in one program and
 # must serve exactly the cases listed for it (declining the others with a reason).
 
-PALLAS_PARAMS = [pytest.param(impl, id=name) for name, impl in INTERPRETED]
+PALLAS_PARAMS = [pytest.param(impl, id=name, marks=pytest.mark.slow) for name, impl in INTERPRETED]
 
 
 def pallas_cases():
@@ -1090,6 +1108,7 @@ def test_pallas_transformations(impl):
         jax.eval_shape(jax.grad(lambda *a: jnp.sum(inner(*a) ** 2), argnums=(0, 1, 2)), *args)
 
 
+@pytest.mark.slow
 def test_pallas_return_residual():
     """``return_residual=True`` through each kernel (forward): the log-sum-exp equals the
     reference's, -inf exactly on the rows that attend to nothing."""
