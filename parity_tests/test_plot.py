@@ -150,6 +150,7 @@ def test_flax_attn_imports_without_matplotlib():
         result.stdout + result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_heatmaps_example_writes_the_readme_pictures(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "heatmaps.py"), "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)

@@ -19,6 +19,7 @@ def test_the_readme_has_python_blocks():
     assert len(python_blocks()) >= 3
 
 
+@pytest.mark.slow
 def test_every_python_block_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "readme"}

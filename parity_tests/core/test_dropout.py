@@ -90,6 +90,7 @@ print(hashlib.sha256(np.asarray(a).tobytes() + np.asarray(b).tobytes()).hexdiges
 """
 
 
+@pytest.mark.slow
 def test_dropout_is_a_function_of_its_key_alone_across_processes():
     import subprocess
     import sys

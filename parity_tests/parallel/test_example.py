@@ -3,9 +3,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "sharded.py"
 
 
+@pytest.mark.slow
 def test_sharded_example_runs():
     result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -39,6 +39,8 @@ FLOAT32 = ("causal-gqa-8dev", "zigzag-causal-window-segments")
 RUNS = [(c, m, d) for c in CASES for m in ("ring", "allgather") for d in ("float64",)] + \
        [(c, m, "float32") for c in FLOAT32 for m in ("ring", "allgather")]
 
+pytestmark = pytest.mark.slow  # a child process with 8 virtual devices
+
 
 # ------------------------------------------------------------------------------------ child
 

@@ -23,6 +23,8 @@ MODULES = ["Attention gqa-rope-window-qknorm-biases-packed", "Attention t5 kv-re
            "CausalAttention", "MultiHeadAttentionWrapper"]
 RUNS = [(m, "float64") for m in MODULES] + [(MODULES[0], "float32"), ("MultiHeadAttention", "float32")]
 
+pytestmark = pytest.mark.slow  # a child process with 8 virtual devices
+
 
 # ------------------------------------------------------------------------------------ child
 
