@@ -6,7 +6,8 @@ the same file layout is written from NumPy. Then:
 
     layers = fa.hf.load_attention(config, "model.safetensors")
 
-gives each layer's AttentionConfig and params; a left-padded batch goes through layer 0 with
+gives each layer's AttentionConfig (MLAConfig for DeepSeek) and params, and
+``layers[i].module()`` the flax_attn layer that runs them; a left-padded batch goes through layer 0 with
 the HF attention_mask turned into segment ids and positions, once in full and once as prefill +
 decode with the KV cache (they agree), and, with transformers, against transformers' own layer.
 
@@ -92,7 +93,7 @@ def main():
                      [1, 1, 1, 1, 1, 1, 1, 1]])
     segment_ids, positions = fa.hf.segments_and_positions(mask)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, CONFIG["hidden_size"])))
-    layer = fa.Attention(first.config)
+    layer = first.module()  # fa.Attention here (MultiHeadLatentAttention for a DeepSeek checkpoint)
     variables = {"params": jax.tree_util.tree_map(jnp.asarray, first.params)}
     full = layer.apply(variables, x, positions, segment_ids)
 

@@ -30,7 +30,7 @@ from flax_attn.layers.flax_hook import flax_attention_fn
 from flax_attn.core import dot_product_attention, dropout, masked_softmax
 from flax_attn.core import mask as masks
 from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
-from flax_attn.layers import (Attention, AttentionConfig, KVCache, LatentKVCache, LearnedPositionalEmbedding,
+from flax_attn.layers import (Attention, AttentionConfig, ContextKV, KVCache, LatentKVCache, LearnedPositionalEmbedding,
                               MLAConfig, MultiHeadLatentAttention, decode_step, mla_forward, mla_params)
 from flax_attn.positional import (
     RopeScaling,
@@ -60,6 +60,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Attention",
     "AttentionConfig",
+    "ContextKV",
     "KVCache",
     "LatentKVCache",
     "LearnedPositionalEmbedding",

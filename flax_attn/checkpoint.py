@@ -27,7 +27,9 @@
   ``CheckpointMismatchError`` listing every difference, instead of producing a wrong model
   (``num_heads`` can change the model while every parameter keeps its shape). Fields that do
   not change the model may differ: dropout rates, ``precision``, ``implementation``,
-  ``param_dtype`` (the saved dtype is restored).
+  ``param_dtype`` (the saved dtype is restored). A field added to a configuration after a
+  checkpoint was saved (absent from its record) stands for its default: the checkpoint
+  restores into a module that keeps the default, and is refused by one that does not.
 
 Readers need no lock: a step becomes visible only once complete. A reader can still fail if a
 writer with ``keep=`` deletes the step it is reading (``FileNotFoundError``).
@@ -428,7 +430,7 @@ def restore(directory, module, *, step: Optional[int] = None, verify_checksums: 
         else:
             saved = manager.restore(step, args=ocp.args.Composite(module=ocp.args.JsonRestore()))["module"]
             saved_leaves = traverse_util.flatten_dict(_as_dict(manager.item_metadata(step)["params"]))
-        problems = _config_differences(saved, describe(module))
+        problems = _config_differences(saved, describe(module), module)
         want = traverse_util.flatten_dict(_as_dict(param_template(module)))
         problems += [f"parameter {'/'.join(p)} is missing from the checkpoint" for p in sorted(set(want) - set(saved_leaves))]
         problems += [f"checkpoint has parameter {'/'.join(p)} the module does not" for p in sorted(set(saved_leaves) - set(want))]
@@ -457,16 +459,58 @@ def _as_dict(tree):
 NOT_THE_MODEL = {"dropout", "precision", "implementation", "param_dtype", "config.dropout"}
 
 
-def _config_differences(saved: dict, current: dict) -> list[str]:
+def _config_differences(saved: dict, current: dict, module=None) -> list[str]:
+    """What differs between the saved and the current descriptions, as sentences.
+
+    A field the checkpoint does not record (a field added to the configuration after it was
+    saved) counts as the field's default: a checkpoint saved before ``chunk_size`` existed holds
+    a model without chunks, so it restores into a module whose ``chunk_size`` is the default,
+    and one whose value is not the default is a difference. ``module`` (the module restored
+    into) tells the defaults; without it an absent field is a difference.
+    """
     if saved["class"] != current["class"]:
         return [f"the checkpoint holds a {saved['class']}, not a {current['class']}"]
     out = []
     s_cfg, c_cfg = _flat(saved["config"]), _flat(current["config"])
     for key in sorted((set(s_cfg) | set(c_cfg)) - NOT_THE_MODEL):
         a, b = s_cfg.get(key, "<absent>"), c_cfg.get(key, "<absent>")
+        if key not in s_cfg and key in c_cfg:
+            default = _field_default(module, key)
+            if default is not _NO_DEFAULT:
+                if default == b:
+                    continue  # the field came later; the checkpoint's model had its default
+                out.append(f"{key} is absent from the checkpoint (saved before the field existed: its default "
+                           f"{default!r}), {b!r} in the module")
+                continue
         if a != b:
             out.append(f"{key} is {a!r} in the checkpoint, {b!r} in the module")
     return out
+
+
+_NO_DEFAULT = object()
+
+
+def _field_default(module, dotted: str):
+    """The default of the dataclass field at ``dotted`` (``'config.chunk_size'``) of ``module``,
+    as :func:`describe` writes values, or ``_NO_DEFAULT`` when the path has no field with a default."""
+    owner = module
+    *parents, name = dotted.split(".")
+    for part in parents:
+        owner = getattr(owner, part, None)
+    if owner is None or not dataclasses.is_dataclass(owner) or isinstance(owner, type):
+        return _NO_DEFAULT
+    fields = {f.name: f for f in dataclasses.fields(owner)}
+    if name not in fields:
+        return _NO_DEFAULT
+    f = fields[name]
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return _NO_DEFAULT
+    flat = _flat(_jsonable(value))
+    return flat.get("", _NO_DEFAULT) if set(flat) == {""} else _NO_DEFAULT
 
 
 def _flat(cfg, prefix=""):

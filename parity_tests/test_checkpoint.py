@@ -333,3 +333,35 @@ def test_two_processes_saving_into_one_directory_lose_nothing_reported_saved(tmp
             expected = jax.tree_util.tree_map(lambda x: x * (step + 1) + 1000 * who, v)
             _assert_bit_exact(ck.restore(directory, m, step=step), expected)
     assert not [e for e in os.listdir(directory) if "tmp" in e or e.startswith(ck.LOCK_NAME)]
+
+
+NEW_FIELDS = ("chunk_size", "temperature_tuning", "qk_norm_weight", "alibi_scaled")
+
+
+def test_a_checkpoint_saved_before_a_field_existed_restores_with_its_default(tmp_path, monkeypatch):
+    # A checkpoint whose recorded configuration lacks fields added since (as one saved by an
+    # earlier flax_attn) stands for their defaults: it restores into a module that keeps them,
+    # and a module that sets one is refused, the message naming the field and its default.
+    m = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2))
+    variables = jax.tree_util.tree_map(lambda x: x + 0.25, _init(m))
+    describe = ck.describe
+
+    def describe_without_new_fields(module):
+        d = describe(module)
+        for name in NEW_FIELDS:
+            del d["config"]["config"][name]
+        return d
+
+    monkeypatch.setattr(ck, "describe", describe_without_new_fields)
+    ck.save(tmp_path, 0, m, variables)
+    monkeypatch.setattr(ck, "describe", describe)
+    _assert_bit_exact(ck.restore(tmp_path, m), variables)
+    chunked = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2, chunk_size=4, alibi_scaled=False))
+    with pytest.raises(ck.CheckpointMismatchError) as err:
+        ck.restore(tmp_path, chunked)
+    assert ("config.chunk_size is absent from the checkpoint (saved before the field existed: its default None), "
+            "4 in the module") in str(err.value)
+    assert "alibi_scaled" not in str(err.value) and "qk_norm_weight" not in str(err.value)
+    # A field the module does not know (or no longer has) is still a difference.
+    assert ck._config_differences({"class": "A", "config": {"x": 1}}, {"class": "A", "config": {}}, m) == [
+        "x is 1 in the checkpoint, '<absent>' in the module"]

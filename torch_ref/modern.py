@@ -13,6 +13,10 @@ where there is a choice), so that parity tests compare two implementations, not 
 * T5 buckets as the T5 code computes them.
 * Grouped-query attention by repeating key/value heads (``repeat_interleave``).
 * A KV cache that grows by concatenation.
+* Llama 4: chunked attention as a comparison of chunk indices, attention temperature tuning as
+  Hugging Face's ``Llama4TextAttention`` writes it, and its weightless ``L2Norm`` applied after
+  RoPE, where Llama 4 applies it.
+* Falcon's ALiBi (``alibi=True``): the bias added to ``q k^T`` before the scale multiplies both.
 """
 from __future__ import annotations
 
@@ -184,8 +188,11 @@ def t5_relative_position_bucket(relative_position, bidirectional=True, num_bucke
 
 # --------------------------------------------------------------------------- attention
 
-def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap=None, sinks=None):
+def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap=None, sinks=None,
+                        bias_scaled=False):
     """``softmax(scale * q k^T [capped] + bias, allowed) v`` with q ``(B, T, N, H)``, k/v ``(B, S, K, H)``.
+
+    ``bias_scaled``: Falcon's order instead, ``scale * (q k^T + bias)`` (no soft-cap).
 
     Key/value heads are repeated to N. ``allowed``: boolean broadcastable to ``(B, N, T, S)``.
     A query with nothing allowed returns zeros (the convention flax_attn keeps). ``sinks``
@@ -196,7 +203,11 @@ def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap
     k = k.repeat_interleave(N // K, dim=2)
     v = v.repeat_interleave(N // K, dim=2)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.einsum("btnh,bsnh->bnts", q, k) * scale
+    if bias_scaled:
+        scores = (torch.einsum("btnh,bsnh->bnts", q, k) + bias) * scale
+        bias = None
+    else:
+        scores = torch.einsum("btnh,bsnh->bnts", q, k) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
@@ -219,14 +230,19 @@ def reference_attention(q, k, v, *, allowed=None, bias=None, scale=None, softcap
     return torch.einsum("bnts,bsnh->btnh", weights, v), weights
 
 
-def allowed_keys(query_positions, key_positions, *, causal, window=None, query_segments=None, key_segments=None):
-    """Boolean ``(B, 1, T, S)``: causal by position, a window of W keys, equal non-negative segments."""
+def allowed_keys(query_positions, key_positions, *, causal, window=None, query_segments=None, key_segments=None,
+                 chunk=None):
+    """Boolean ``(B, 1, T, S)``: causal by position, a window of W keys, equal non-negative segments,
+    and (Llama 4's chunked attention) query and key in the same chunk of ``chunk`` positions."""
     offset = query_positions[:, :, None] - key_positions[:, None, :]  # how far back the key is
     allowed = torch.ones_like(offset, dtype=torch.bool)
     if causal:
         allowed &= offset >= 0
     if window is not None:
         allowed &= (offset < window) if causal else (offset.abs() < window)
+    if chunk is not None:
+        allowed &= torch.div(query_positions, chunk, rounding_mode="floor")[:, :, None] == \
+            torch.div(key_positions, chunk, rounding_mode="floor")[:, None, :]
     if query_segments is not None:
         allowed &= (query_segments[:, :, None] == key_segments[:, None, :]) & (key_segments[:, None, :] >= 0)
     return allowed[:, None]
@@ -241,6 +257,26 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def forward(self, positions):
         return self.wpe(positions)
+
+
+class Llama4L2Norm(nn.Module):
+    """Llama 4's QK-norm (``L2Norm``): ``x * rsqrt(mean(x^2) + eps)`` over each head's features,
+    computed in float32 (or wider), no parameter."""
+
+    def __init__(self, eps):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def llama4_attention_scales(positions, floor_scale, attn_scale):
+    """Llama 4's attention temperature tuning (Hugging Face ``Llama4TextAttention``, which passes
+    ``cache_position``; here the positions): ``log(1 + floor((p + 1) / floor_scale)) * attn_scale + 1``."""
+    p = positions.to(torch.float64)
+    return torch.log(1.0 + torch.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
 class OLMo2ProjectionNorm(nn.RMSNorm):
@@ -333,7 +369,8 @@ class Attention(nn.Module):
                  position="rope", rope_theta=10000.0, rope_layout="rotate_half", rotary_dim=None,
                  rope_scaling=None, t5_num_buckets=32, t5_max_distance=128, qk_norm=False, qk_norm_eps=1e-6,
                  qk_norm_type="rms", qk_norm_scope="head", qk_norm_bias=False, qk_norm_zero_centered=False,
-                 logit_softcap=None, qkv_bias=False, out_bias=False, sinks=False, dropout=0.0, scale=None):
+                 logit_softcap=None, qkv_bias=False, out_bias=False, sinks=False, dropout=0.0, scale=None,
+                 chunk_size=None, temperature_tuning=None, qk_norm_weight=True, alibi_scaled=False):
         super().__init__()
         self.N = num_heads
         self.K = num_heads if num_kv_heads is None else num_kv_heads
@@ -347,12 +384,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, self.K * self.H, bias=k_bias)
         self.v_proj = nn.Linear(d_model, self.K * self.H, bias=v_bias)
         self.o_proj = nn.Linear(self.N * self.H, d_model, bias=out_bias)
-        if qk_norm:
+        # Llama 4's weightless L2Norm goes after RoPE, as Llama 4 applies it.
+        self.l2_norm = Llama4L2Norm(qk_norm_eps) if qk_norm and not qk_norm_weight else None
+        if qk_norm and self.l2_norm is None:
             options = dict(eps=qk_norm_eps, kind=qk_norm_type, scope=qk_norm_scope, bias=qk_norm_bias,
                            zero_centered=qk_norm_zero_centered)
             self.q_norm = make_qk_norm(self.N * self.H, self.N, self.H, **options)
             self.k_norm = make_qk_norm(self.K * self.H, self.K, self.H, **options)
-        self.qk_norm, self.norm_before_split = qk_norm, qk_norm and qk_norm_scope == "projection"
+        self.qk_norm = qk_norm and self.l2_norm is None
+        self.norm_before_split = self.qk_norm and qk_norm_scope == "projection"
+        self.l2_norm_over_heads = qk_norm_scope == "projection"
+        self.chunk, self.temperature_tuning, self.alibi_scaled = chunk_size, temperature_tuning, alibi_scaled
         # gpt-oss: one learned sink logit per query head.
         self.sinks = nn.Parameter(torch.randn(self.N)) if sinks else None
         if position == "t5":
@@ -377,6 +419,15 @@ class Attention(nn.Module):
         k_seg = segment_ids if context is None else context_segment_ids
         if self.position == "rope":
             q, k = apply_rope(q, positions, **self.rope), apply_rope(k, k_pos, **self.rope)
+        if self.l2_norm is not None:
+            if self.l2_norm_over_heads:  # one norm over all heads' features
+                q = self.l2_norm(q.reshape(B, T, -1)).view(B, T, self.N, self.H)
+                k = self.l2_norm(k.reshape(B, S, -1)).view(B, S, self.K, self.H)
+            else:
+                q, k = self.l2_norm(q), self.l2_norm(k)
+        if self.temperature_tuning is not None:
+            scales = llama4_attention_scales(positions, *self.temperature_tuning)
+            q = (q * scales[:, :, None, None].to(q.dtype)).to(q.dtype)
         new_cache = None
         if cache is not None:
             if segment_ids is None:
@@ -392,7 +443,8 @@ class Attention(nn.Module):
             k_pos = torch.arange(S_all)[None].expand(B, S_all)
             positions = (torch.arange(T) + S_all - T)[None].expand(B, T)
         allowed = allowed_keys(positions, k_pos, causal=self.causal, window=self.window,
-                               query_segments=segment_ids if k_seg is not None else None, key_segments=k_seg)
+                               query_segments=segment_ids if k_seg is not None else None, key_segments=k_seg,
+                               chunk=self.chunk)
         if mask is not None:
             allowed = allowed & mask
         bias = None
@@ -402,6 +454,6 @@ class Attention(nn.Module):
             buckets = t5_relative_position_bucket(k_pos[:, None, :] - positions[:, :, None], **self.t5)
             bias = self.rel_bias(buckets).permute(0, 3, 1, 2)
         out, weights = reference_attention(q, k, v, allowed=allowed, bias=bias, scale=self.scale, softcap=self.softcap,
-                                           sinks=self.sinks)
+                                           sinks=self.sinks, bias_scaled=self.alibi_scaled)
         out = self.o_proj(out.reshape(B, T, self.N * self.H))
         return out if cache is None else (out, new_cache)

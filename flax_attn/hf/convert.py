@@ -10,6 +10,10 @@ the config saying how they apply (Gemma's ``w``, applied as ``1 + w``, loads int
 ``qk_norm_zero_centered=True``), each projection has a bias exactly when the checkpoint has one
 (Whisper's ``k_proj`` has none: ``qkv_bias=(True, False, True)``), gpt-oss's ``sinks`` become
 the layer's ``sinks``, and T5's relative bias table (layer 0 of each stack) is given to each layer.
+DeepSeek's multi-head latent attention loads into :class:`~flax_attn.layers.mla.MLAConfig` and
+:class:`~flax_attn.layers.mla.MultiHeadLatentAttention`'s params, which carry the Hugging Face
+names (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``). :meth:`HFAttention.module` builds the right layer.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from flax_attn.hf import families as fam
-from flax_attn.layers.attention import AttentionConfig
+from flax_attn.layers.attention import Attention, AttentionConfig
+from flax_attn.layers.mla import MLAConfig, MultiHeadLatentAttention, mla_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,17 +37,26 @@ class HFAttention:
       name: the HF module path, e.g. ``'model.layers.3.self_attn'``.
       stack: ``'decoder'`` or ``'encoder'``; kind: ``'self'`` or ``'cross'``; index: the layer.
       config: the layer's :class:`AttentionConfig` (layers of one model may differ: Gemma's
-        sliding and global layers, GPT-2's ``scale_attn_by_inverse_layer_idx``).
+        sliding and global layers, GPT-2's ``scale_attn_by_inverse_layer_idx``, Llama 4's RoPE
+        and NoPE layers), or an :class:`~flax_attn.layers.mla.MLAConfig` (DeepSeek).
       params: ``{'q_proj': {'kernel': (D, N*H), 'bias': (N*H,)}, ...}`` NumPy arrays, for
-        ``fa.Attention(config).apply({'params': params}, ...)``.
+        ``layer.module().apply({'params': params}, ...)``.
     """
 
     name: str
     stack: str
     kind: str
     index: int
-    config: AttentionConfig
+    config: Union[AttentionConfig, MLAConfig]
     params: dict
+
+    def module(self, **kwargs):
+        """The Linen layer for :attr:`config`: :class:`~flax_attn.Attention`, or
+        :class:`~flax_attn.layers.mla.MultiHeadLatentAttention` for an ``MLAConfig``; ``kwargs``
+        (``param_dtype``, ``precision``, ``implementation``) go to its constructor. Both take
+        ``(x, positions, segment_ids, ..., cache=)`` and ``config.init_cache(batch, max_len, dtype=)``."""
+        cls = MultiHeadLatentAttention if isinstance(self.config, MLAConfig) else Attention
+        return cls(self.config, **kwargs)
 
 
 WeightsLike = Union[str, os.PathLike, Mapping[str, Any]]
@@ -95,10 +109,11 @@ def fused_indices(layout: str, N: int, K: int, H: int) -> tuple[np.ndarray, np.n
 def _root(family: fam.Family, names) -> str:
     """The checkpoint's prefix before the family's module paths ('' , 'model.', ...)."""
     stack = family.stacks[0]
-    first = family.fused or family.q
+    first = family.probe or family.fused or family.q
     suffix = stack.template.format(i=0) + f".{first}.weight"
     roots = sorted({n[: -len(suffix)] for n in names if n.endswith(suffix)
-                    and (len(n) == len(suffix) or n[-len(suffix) - 1] == ".")}, key=len)
+                    and (len(n) == len(suffix) or n[-len(suffix) - 1] == ".")
+                    and not any(skip in n[: -len(suffix)] for skip in family.skip_roots)}, key=len)
     if not roots:
         sample = sorted(names)[:5]
         raise KeyError(f"no '{suffix}' (with any prefix) in the weights: is this a {family.name} checkpoint? "
@@ -172,8 +187,11 @@ def load_attention(config: dict, weights: WeightsLike, *, dtype=None) -> list[HF
         for i in range(count):
             prefix = f"{root}{stack.template.format(i=i)}"
             fields = fam.stack_fields(family, config, stack, i)
-            extra = {} if table is None else {"rel_bias": {"embedding": np.asarray(table)}}
-            cfg, params = _layer_params(family, config, AttentionConfig(**fields), prefix, take, extra)
+            if family.layer == "mla":
+                cfg, params = _mla_params(MLAConfig(**fields), prefix, take)
+            else:
+                extra = {} if table is None else {"rel_bias": {"embedding": np.asarray(table)}}
+                cfg, params = _layer_params(family, config, AttentionConfig(**fields), prefix, take, extra)
             if dtype is not None:
                 params = _cast(params, dtype)
             layers.append(HFAttention(prefix, stack.stack, stack.kind, i, cfg, params))
@@ -219,6 +237,26 @@ def _layer_params(family, config, cfg: AttentionConfig, prefix: str, take: _Take
         params["sinks"] = np.asarray(g(family.sinks))
     params.update(extra)
     _check_shapes(prefix, cfg, params)
+    return cfg, params
+
+
+def _mla_params(cfg: MLAConfig, prefix: str, take: _Taker):
+    """MultiHeadLatentAttention's params from HF names: ``nn.Linear`` weights transposed into
+    kernels, RMSNorm weights as ``scale``; ``attention_bias`` as the checkpoint has it."""
+    has_bias = f"{prefix}.kv_a_proj_with_mqa.bias" in take.weights
+    cfg = dataclasses.replace(cfg, attention_bias=has_bias)
+    params, bad = {}, []
+    for name, spec in mla_params(cfg).items():
+        if "scale" in spec:  # an RMSNorm
+            params[name] = {"scale": np.asarray(take.get(f"{prefix}.{name}.weight"))}
+        else:
+            params[name] = _linear(take.get(f"{prefix}.{name}.weight"),
+                                   take.get(f"{prefix}.{name}.bias") if "bias" in spec else None, False)
+        for leaf, leaf_spec in spec.items():
+            if tuple(np.shape(params[name][leaf])) != tuple(leaf_spec.shape):
+                bad.append(f"{name}/{leaf}: shape {np.shape(params[name][leaf])}, the layer needs {leaf_spec.shape}")
+    if bad:
+        raise ValueError(f"{prefix} does not fit MLAConfig {cfg}:\n  " + "\n  ".join(bad))
     return cfg, params
 
 
@@ -282,6 +320,12 @@ def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
             raise ValueError(f"{name!r} is not an attention module path of family {family.name}")
         p = {k: v for k, v in params.items()}
         arr = lambda x: np.asarray(x)
+        if family.layer == "mla":
+            for n, leaves in p.items():
+                for leaf, value in leaves.items():
+                    hf = f"{prefix}.{n}.{'bias' if leaf == 'bias' else 'weight'}"
+                    out[hf] = arr(value).T.copy() if leaf == "kernel" else arr(value)
+            continue
         if family.fused:
             N, K, H = cfg.num_heads, cfg.kv_heads, cfg.kv_head_dim
             qi, ki, vi = fused_indices(family.fused_layout(config), N, K, H)

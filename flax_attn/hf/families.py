@@ -5,12 +5,19 @@ A :class:`Family` is declarative: the attention modules of each stack (a path te
 ``{i}`` for the layer), the names of the projections, how a fused query/key/value projection is
 laid out (:data:`FUSED_LAYOUTS`), whether weights are ``Conv1D`` (stored ``(in, out)``), the
 QK-norm's weight convention, and a small function from the config to the layer's fields.
-Families that need a layer feature flax_attn does not have yet are listed in
-:data:`MISSING_FEATURES` (one place); loading them raises ``NotImplementedError`` naming it.
+A family's ``layer`` says which flax_attn layer it loads into: ``'attention'``
+(:class:`~flax_attn.AttentionConfig`, fields as keyword arguments) or ``'mla'``
+(:class:`~flax_attn.layers.mla.MLAConfig`, DeepSeek's multi-head latent attention, its weights
+under their own Hugging Face names). Per-layer differences are the fields function's business:
+Llama 4's RoPE layers (interleaved RoPE, chunked attention, weightless QK-norm) and NoPE layers
+(``position='none'``, temperature tuning) are two AttentionConfigs of one model. Families that
+need a layer feature flax_attn does not have are listed in :data:`MISSING_FEATURES` (one place;
+empty today); loading them raises ``NotImplementedError`` naming it.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 # How a fused projection orders its output features, given N query heads, K key/value heads, H.
@@ -19,20 +26,10 @@ from typing import Callable, Optional
 #   'per_group': (K, N/K + 2, H): a group's queries, then its key and value   Falcon new_decoder_architecture
 FUSED_LAYOUTS = ("concat", "per_head", "per_group")
 
-# Families (model_type) or options needing a layer feature AttentionConfig lacks: what it is.
-MISSING_FEATURES = {
-    "deepseek_v3": "multi-head latent attention: low-rank q (q_a_proj, q_a_layernorm, q_b_proj) and kv "
-                   "(kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) projections, a decoupled RoPE part of "
-                   "qk_rope_head_dim shared by all heads (interleaved), a no-RoPE part of qk_nope_head_dim, "
-                   "v_head_dim != qk head dim, softmax scale multiplied by YaRN's mscale(factor, "
-                   "mscale_all_dim)^2, and a cache of the latent (kv_lora_rank + rope dim)",
-    "llama4": "chunked attention (a query sees keys of its own chunk of attention_chunk_size only), "
-              "temperature tuning on NoPE layers (q scaled by log(floor((p + 1) / floor_scale) + 1) * "
-              "attn_scale + 1), NoPE every no_rope_layer_interval-th layer with full attention, and "
-              "L2 QK-norm without weight (use_qk_norm) on RoPE layers",
-    "falcon:alibi": "ALiBi added before the 1/sqrt(H) scaling: logits = (q.k + alibi) / sqrt(H), i.e. slopes "
-                    "divided by sqrt(H); AttentionConfig adds ALiBi after scaling",
-}
+# Families (model_type) or options needing a layer feature flax_attn lacks: what it is. Empty
+# today: DeepSeek-V3 loads into MultiHeadLatentAttention, Llama 4 and Falcon-RW's ALiBi into
+# AttentionConfig fields (chunk_size, temperature_tuning, qk_norm_weight, alibi_scaled).
+MISSING_FEATURES: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +62,11 @@ class Family:
     t5_table: Optional[str] = None      # T5: the relative bias table, in layer 0 of each stack, shared
     default_root: str = ""              # the root prefix of the usual *ForCausalLM / *ForConditionalGeneration
     positions: str = "cumsum"           # flax_attn.hf.padding convention
-    fields: Callable = None             # (config, stack, layer index) -> AttentionConfig keyword arguments
+    fields: Callable = None             # (config, stack, layer index) -> the layer config's keyword arguments
     missing: Callable = None            # config -> list of MISSING_FEATURES keys this config needs
+    layer: str = "attention"            # 'attention' (AttentionConfig) | 'mla' (MLAConfig, weights by HF name)
+    probe: Optional[str] = None         # the projection whose weight finds the root prefix (default: fused or q)
+    skip_roots: tuple = ()              # root prefixes containing one of these are another tower (vision)
 
 
 # ----------------------------------------------------------------------------- config readers
@@ -257,10 +257,15 @@ def _falcon_kv(cfg):
 
 
 def _falcon_fields(cfg, stack, i):
+    """Falcon: RoPE (rotate-half), or with ``alibi=True`` (Falcon-RW) ALiBi with BLOOM's slopes
+    added to ``q.k`` before the ``1/sqrt(H)`` scale (``alibi_scaled=True``) and no RoPE."""
     D = cfg["hidden_size"]
     N = cfg.get("num_attention_heads", cfg.get("n_head"))
     out = {"d_model": D, "num_heads": N, "num_kv_heads": _falcon_kv(cfg), "causal": True}
-    out.update(rope_fields(cfg, D // N))
+    if cfg.get("alibi"):
+        out.update(position="alibi", alibi_scaled=True)
+    else:
+        out.update(rope_fields(cfg, D // N))
     return out
 
 
@@ -280,12 +285,80 @@ def _optional_qk_norm(flag: str, **fields) -> dict:
     return out
 
 
-def _none(cfg):
-    return []
+# ----------------------------------------------------------------------------- Llama 4
+
+def _text(cfg):
+    """The text model's config: Llama 4's composite ``llama4`` nests it as ``text_config``."""
+    if cfg.get("model_type") == "llama4":
+        return cfg.get("text_config") or cfg
+    return cfg
 
 
-def _llama4_missing(cfg):
-    return ["llama4"]
+def _llama4_uses_rope(cfg, i) -> bool:
+    """Llama 4's ``no_rope_layers[i]``: 1 = a RoPE layer, 0 = a NoPE layer (default: NoPE every
+    ``no_rope_layer_interval``-th layer, as transformers fills it)."""
+    flags = cfg.get("no_rope_layers")
+    if flags:
+        return bool(flags[i])
+    return (i + 1) % cfg.get("no_rope_layer_interval", 4) != 0
+
+
+def _llama4_fields(cfg, stack, i):
+    """Llama 4: RoPE layers rotate interleaved pairs (complex multiplication; llama3 scaling),
+    attend within chunks of ``attention_chunk_size`` (layer type 'chunked_attention') and, with
+    ``use_qk_norm``, L2-normalise q and k per head (no weight; eps = rms_norm_eps); NoPE layers
+    attend to everything before them and, with ``attn_temperature_tuning``, scale the queries by
+    ``log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1``."""
+    cfg = _text(cfg)
+    N, D = cfg["num_attention_heads"], cfg["hidden_size"]
+    H = cfg.get("head_dim") or D // N
+    out = {"d_model": D, "num_heads": N, "num_kv_heads": cfg.get("num_key_value_heads") or N, "head_dim": H,
+           "causal": True}
+    types = cfg.get("layer_types")
+    if _llama4_uses_rope(cfg, i):
+        out.update(rope_fields(cfg, H, layout="interleaved"))
+        layer_type = types[i] if types else "chunked_attention"
+        if layer_type == "chunked_attention" and cfg.get("attention_chunk_size"):
+            out["chunk_size"] = int(cfg["attention_chunk_size"])
+        if cfg.get("use_qk_norm", True):
+            out.update(qk_norm=True, qk_norm_weight=False, qk_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)))
+    else:
+        out["position"] = "none"
+        if types and types[i] == "chunked_attention" and cfg.get("attention_chunk_size"):
+            out["chunk_size"] = int(cfg["attention_chunk_size"])
+        if cfg.get("attn_temperature_tuning", True):
+            out["temperature_tuning"] = (float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1)))
+    return out
+
+
+# ----------------------------------------------------------------------------- DeepSeek (MLA)
+
+def _deepseek_fields(cfg, stack, i):
+    """DeepSeek-V3 (and V2) multi-head latent attention: :class:`~flax_attn.layers.mla.MLAConfig`
+    keyword arguments. RoPE on the ``qk_rope_head_dim`` part, in interleaved pairs
+    (``rope_interleave``, default True; DeepSeek-V2 always) or rotate-half; YaRN's mscale and
+    mscale_all_dim travel in ``rope_scaling`` (MLAConfig squares m(factor, mscale_all_dim) into the
+    softmax scale, as transformers does). The two RMSNorms (q_a_layernorm, kv_a_layernorm) use
+    eps 1e-6 whatever ``rms_norm_eps`` says: transformers and DeepSeek's code build them with
+    their default."""
+    dr = cfg["qk_rope_head_dim"]
+    interleave = True if cfg.get("model_type") == "deepseek_v2" else cfg.get("rope_interleave", True)
+    rope = rope_fields(cfg, dr, layout="interleaved" if interleave else "rotate_half", rotary_dim=dr)
+    out = {"d_model": cfg["hidden_size"], "num_heads": cfg["num_attention_heads"],
+           "kv_lora_rank": cfg["kv_lora_rank"], "qk_nope_head_dim": cfg["qk_nope_head_dim"],
+           "qk_rope_head_dim": dr, "v_head_dim": cfg["v_head_dim"], "q_lora_rank": cfg.get("q_lora_rank"),
+           "causal": True, "rope_theta": rope["rope_theta"], "rope_layout": rope["rope_layout"],
+           "rope_scaling": rope["rope_scaling"], "rms_norm_eps": 1e-6,
+           "attention_bias": bool(cfg.get("attention_bias", False))}
+    # transformers squares m(factor, mscale_all_dim) into the scale for any non-default RoPE type;
+    # MLAConfig does it for YaRN: other types get the scale explicitly.
+    rp = _rope_parameters(cfg)
+    kind = rp.get("rope_type", "default")
+    if kind not in ("default", "yarn") and rp.get("mscale_all_dim"):
+        s, a = float(rp["factor"]), float(rp["mscale_all_dim"])
+        m = 0.1 * a * math.log(s) + 1.0 if s > 1 else 1.0
+        out["scale"] = (cfg["qk_nope_head_dim"] + dr) ** -0.5 * m * m
+    return out
 
 
 LLAMA_LIKE = dict(stacks=(Stack("decoder", "self", "layers.{i}.self_attn"),), default_root="model.")
@@ -320,7 +393,7 @@ FAMILIES = (
            fields=_decoder_fields(None)),
     Family("falcon", ("falcon", "RefinedWeb", "RefinedWebModel"), stacks=(Stack("decoder", "self", "h.{i}.self_attention"),),
            default_root="transformer.", fused="query_key_value", fused_layout=_falcon_layout, o="dense",
-           fields=_falcon_fields, missing=lambda c: ["falcon:alibi"] if c.get("alibi") else []),
+           fields=_falcon_fields),
     Family("gpt2", ("gpt2",), stacks=(Stack("decoder", "self", "h.{i}.attn"),), default_root="transformer.",
            fused="c_attn", fused_layout=lambda c: "concat", o="c_proj", conv1d=True, fields=_gpt2_fields),
     Family("gptj", ("gptj",), stacks=(Stack("decoder", "self", "h.{i}.attn"),), default_root="transformer.",
@@ -348,8 +421,14 @@ FAMILIES = (
     Family("olmo2", ("olmo2",), **LLAMA_LIKE, norms=("q_norm", "k_norm"),
            fields=_with(_decoder_fields(None), qk_norm=True, qk_norm_scope="projection",
                         qk_norm_eps=lambda c, s, i: c.get("rms_norm_eps", 1e-6))),
-    Family("llama4", ("llama4", "llama4_text"), **LLAMA_LIKE, missing=_llama4_missing),
-    Family("deepseek_v3", ("deepseek_v3",), **LLAMA_LIKE, missing=lambda c: ["deepseek_v3"]),
+    # Llama 4: the text model alone (llama4_text, under 'model.'), or the composite (llama4: its
+    # text_config, the language model under 'language_model.model.', the vision tower skipped).
+    Family("llama4_text", ("llama4_text",), **LLAMA_LIKE, fields=_llama4_fields),
+    Family("llama4", ("llama4",), stacks=LLAMA_LIKE["stacks"], default_root="language_model.model.",
+           skip_roots=("vision",), fields=_llama4_fields),
+    # DeepSeek-V3 / V2: multi-head latent attention (MultiHeadLatentAttention, HF's weight names).
+    Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), **LLAMA_LIKE, layer="mla", probe="kv_a_proj_with_mqa",
+           fields=_deepseek_fields),
     # gpt-oss: a learned sink logit per head; alternating sliding/full layers; YaRN without truncation.
     Family("gpt_oss", ("gpt_oss",), **LLAMA_LIKE, sinks="sinks",
            fields=_with(_decoder_fields(None, sliding=_window_by_type), sinks=True)),

@@ -11,10 +11,21 @@ it, see :mod:`flax_attn.interop`), so checkpoints convert with ``flax_attn.from_
     params = layer.init(key, x, positions)          # x: (B, T, 512), positions: (B, T)
     y = layer.apply(params, x, positions)
 
-Order of operations: project; QK-norm (before or after the head split); rotate (RoPE); write into the cache (in place) and
-attend over it; bias (ALiBi, T5); scaled dot product with soft-cap, masks, sinks and dropout; output
-projection. A ``mask`` given with a cache covers the cache's ``max_len`` slots (``S = max_len``),
-or the cached slots followed by the new keys where a rolling cache is too small to hold them.
+Order of operations: project; QK-norm (before or after the head split); rotate (RoPE); tune the
+queries' temperature (Llama 4); write into the cache (in place) and attend over it; bias (ALiBi,
+T5); scaled dot product with soft-cap, masks (causal, window, chunks, segments), sinks and
+dropout; output projection. A ``mask`` given with a cache covers the cache's ``max_len`` slots
+(``S = max_len``), or the cached slots followed by the new keys where a rolling cache is too
+small to hold them.
+
+A QK-norm without weight (``qk_norm_weight=False``, Llama 4's L2Norm) is applied where every
+QK-norm is, before RoPE, while Llama 4 applies it after: an RMS normalisation without weight of
+each head (or of all heads) commutes with RoPE, which rotates pairs of features and so keeps
+their sum of squares. (A RoPE scaling with an attention factor scales instead of rotating; the
+configuration refuses that combination.)
+
+Cross-attention keys and values can be computed once (:meth:`Attention.context_kv`, a
+:class:`ContextKV`) and passed as ``context=`` at every decoding step.
 
 The computation is the pure stage :func:`attention_forward` of ``(config, params, inputs)``,
 with the parameter specs of :func:`attention_params`; :class:`Attention` (Linen) and
@@ -28,10 +39,12 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
-from flax_attn.layers.cache import KVCache
+from flax_attn.core import mask as mask_lib
+from flax_attn.layers.cache import ContextKV, KVCache
 from flax_attn.layers.common import (ParamSpec, check_floating, declare, declared, dense, dropout_rng,
                                      linear_params, norm, norm_params, rms_norm, scale_params, embed_params)
 from flax_attn.positional import alibi as alibi_lib
@@ -82,6 +95,17 @@ class AttentionConfig:
     #                                     ``sinks`` (N,), joins each softmax denominator and takes no value
     dropout: float = 0.0                # dropout on the attention weights
     scale: Optional[float] = None       # logit scale (None: 1 / sqrt(H); T5 uses 1.0)
+    chunk_size: Optional[int] = None    # C: chunked attention (Llama 4's attention_chunk_size): a query sees
+    #                                     only keys in its own chunk, position // C (with the causal rule)
+    temperature_tuning: Optional[tuple] = None  # (floor_scale, attn_scale): queries at position p are
+    #                                     multiplied by log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1
+    #                                     (Llama 4's attn_temperature_tuning on its NoPE layers); p is the
+    #                                     positions argument, where Hugging Face uses cache_position (the
+    #                                     token's index in the cache): equal for unpadded rows from 0
+    qk_norm_weight: bool = True         # False: the QK-norm has no learned weight (Llama 4's L2Norm,
+    #                                     x / sqrt(mean(x^2) + eps)); needs qk_norm_type='rms'
+    alibi_scaled: bool = False          # ALiBi added before the logit scale: (q.k + alibi) * scale, i.e. the
+    #                                     slopes multiplied by the scale (Falcon-RW, Falcon with alibi=True)
 
     def __post_init__(self):
         _checks.check_positive_int("d_model", self.d_model)
@@ -131,6 +155,60 @@ class AttentionConfig:
         object.__setattr__(self, "qkv_bias", qkv[0] if len(set(qkv)) == 1 else qkv)
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
+        self._check_llama4_and_falcon_fields()
+
+    def _check_llama4_and_falcon_fields(self):
+        if self.chunk_size is not None:
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, (int, np.integer)) \
+                    or self.chunk_size < 1:
+                raise ValueError(f"chunk_size must be an integer >= 1 or None, got {self.chunk_size!r}")
+            object.__setattr__(self, "chunk_size", int(self.chunk_size))
+        tt = self.temperature_tuning
+        if tt is not None:
+            if not (isinstance(tt, (tuple, list)) and len(tt) == 2
+                    and all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                            for v in tt)):
+                raise ValueError(f"temperature_tuning must be None or (floor_scale, attn_scale), two numbers, "
+                                 f"got {tt!r}")
+            floor_scale, attn_scale = float(tt[0]), float(tt[1])
+            if not (np.isfinite(floor_scale) and floor_scale > 0):
+                raise ValueError(f"temperature_tuning floor_scale must be a positive number, got {tt[0]!r}")
+            if not np.isfinite(attn_scale):
+                raise ValueError(f"temperature_tuning attn_scale must be finite, got {tt[1]!r}")
+            object.__setattr__(self, "temperature_tuning", (floor_scale, attn_scale))
+        for name in ("qk_norm_weight", "alibi_scaled"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.qk_norm_weight:
+            if not self.qk_norm:
+                raise ValueError("qk_norm_weight=False configures the QK-norm, but qk_norm=False: set qk_norm=True")
+            if self.qk_norm_type != "rms" or self.qk_norm_zero_centered:
+                raise ValueError(f"qk_norm_weight=False (a QK-norm without learned weight, Llama 4's L2Norm) needs "
+                                 f"qk_norm_type='rms' and qk_norm_zero_centered=False, got "
+                                 f"qk_norm_type={self.qk_norm_type!r}, qk_norm_zero_centered="
+                                 f"{self.qk_norm_zero_centered!r}")
+            if self.position == "rope":
+                rd = self.rotary_dim if self.rotary_dim is not None else self.kv_head_dim
+                _, factor = rope_lib.rope_frequencies(rd, theta=self.rope_theta, scaling=self.rope_scaling)
+                if factor != 1.0:
+                    raise ValueError(f"qk_norm_weight=False with a RoPE scaling whose attention factor is {factor} "
+                                     f"(not 1): the weightless norm commutes with RoPE only when RoPE is a pure "
+                                     f"rotation; use a scaling without attention factor")
+        if self.alibi_scaled:
+            if self.position != "alibi":
+                raise ValueError(f"alibi_scaled=True scales the ALiBi bias: it needs position='alibi', "
+                                 f"got position={self.position!r}")
+            if self.logit_softcap is not None:
+                raise ValueError("alibi_scaled=True and logit_softcap: the bias would be scaled inside or "
+                                 "outside the cap, which no model defines; drop one")
+
+    @property
+    def cache_window(self) -> Optional[int]:
+        """The most keys (the query's own included) a causal query may see: the smaller of
+        ``sliding_window`` and ``chunk_size`` (a query sees at most its chunk's keys up to itself),
+        or None when neither bounds it. What a rolling cache must keep."""
+        bounds = [w for w in (self.sliding_window, self.chunk_size) if w is not None]
+        return min(bounds) if bounds else None
 
     @property
     def projection_biases(self) -> tuple[bool, bool, bool]:
@@ -165,11 +243,12 @@ class AttentionConfig:
         :meth:`Attention.init_cache` defaults to the layer's ``param_dtype``.
         """
         if rolling:
-            if self.sliding_window is None:
-                raise ValueError("a rolling cache drops old keys: it needs a sliding_window")
-            if max_len < self.sliding_window - 1:
-                raise ValueError(f"a rolling cache for sliding_window={self.sliding_window} needs max_len >= "
-                                 f"{self.sliding_window - 1}, got {max_len}")
+            w = self.cache_window
+            if w is None:
+                raise ValueError("a rolling cache drops old keys: it needs a sliding_window or a chunk_size")
+            if max_len < w - 1:
+                raise ValueError(f"a rolling cache for sliding_window={self.sliding_window}, chunk_size="
+                                 f"{self.chunk_size} needs max_len >= {w - 1}, got {max_len}")
         return KVCache.create(batch=batch, max_len=max_len, num_kv_heads=self.kv_heads,
                               head_dim=self.kv_head_dim, dtype=dtype, rolling=rolling, layout=layout)
 
@@ -190,7 +269,7 @@ def attention_params(config: AttentionConfig) -> dict:
     ``q_proj`` ``(D, N*H)``, ``k_proj``/``v_proj`` ``(D, K*H)``, ``o_proj`` ``(N*H, D)`` (biases with
     ``qkv_bias``/``out_bias``); with QK-norm ``q_norm``/``k_norm`` (``scale``, and ``bias`` with
     ``qk_norm_bias``, of shape ``(H,)``, or ``(N, H)``/``(K, H)`` per head, or ``(N*H,)``/``(K*H,)``
-    over the projection); with sinks ``sinks`` ``(N,)``; with T5 bias ``rel_bias`` (``embedding``
+    over the projection; none with ``qk_norm_weight=False``); with sinks ``sinks`` ``(N,)``; with T5 bias ``rel_bias`` (``embedding``
     ``(buckets, N)``).
     """
     c = config
@@ -202,7 +281,7 @@ def attention_params(config: AttentionConfig) -> dict:
         "v_proj": linear_params(D, K * H, use_bias=vb),
         "o_proj": linear_params(N * H, D, use_bias=c.out_bias),
     }
-    if c.qk_norm:
+    if c.qk_norm and c.qk_norm_weight:
         shapes = {"head": ((H,), (H,)), "per_head": ((N, H), (K, H)), "projection": ((N * H,), (K * H,))}
         q_shape, k_shape = shapes[c.qk_norm_scope]
         specs["q_norm"] = norm_params(q_shape, bias=c.qk_norm_bias, zero_centered=c.qk_norm_zero_centered)
@@ -222,9 +301,107 @@ def _rope(config, x, positions):
 
 def _qk_norm(config, p, x):
     c = config
+    if not c.qk_norm_weight:
+        # Llama 4's L2Norm: x / sqrt(mean(x^2) + eps), no parameter, the statistics in at least float32.
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        xa = x.astype(acc)
+        return (xa * lax.rsqrt(jnp.mean(lax.square(xa), axis=-1, keepdims=True) + c.qk_norm_eps)).astype(x.dtype)
     if c.qk_norm_type == "rms" and not c.qk_norm_zero_centered and c.qk_norm_scope == "head":
         return rms_norm(p, x, c.qk_norm_eps)
     return norm(p, x, c.qk_norm_eps, kind=c.qk_norm_type, zero_centered=c.qk_norm_zero_centered)
+
+
+def _project_queries(config, params, x, positions, precision):
+    """``x`` ``(B, T, D)`` -> queries ``(B, T, N, H)``: projected, QK-normed, rotated, temperature-tuned."""
+    c = config
+    B, T, _ = x.shape
+    q = dense(params["q_proj"], x, precision)
+    if c.qk_norm and c.qk_norm_scope == "projection":  # over all heads' features, before the split
+        q = _qk_norm(c, params.get("q_norm"), q)
+    q = q.reshape(B, T, c.num_heads, c.kv_head_dim)
+    if c.qk_norm and c.qk_norm_scope != "projection":  # over each head's H features
+        q = _qk_norm(c, params.get("q_norm"), q)
+    if c.position == "rope":
+        q = _rope(c, q, positions)
+    if c.temperature_tuning is not None:
+        q = q * temperature_factor(c.temperature_tuning, positions, q.dtype)[:, :, None, None]
+    return q
+
+
+def _project_keys_values(config, params, source, positions, precision):
+    """``source`` ``(B, S, D)`` -> keys and values ``(B, S, K, H)``: projected, QK-normed, rotated."""
+    c = config
+    B, S, _ = source.shape
+    K, H = c.kv_heads, c.kv_head_dim
+    k = dense(params["k_proj"], source, precision)
+    if c.qk_norm and c.qk_norm_scope == "projection":
+        k = _qk_norm(c, params.get("k_norm"), k)
+    k = k.reshape(B, S, K, H)
+    v = dense(params["v_proj"], source, precision).reshape(B, S, K, H)
+    if c.qk_norm and c.qk_norm_scope != "projection":
+        k = _qk_norm(c, params.get("k_norm"), k)
+    if c.position == "rope":
+        k = _rope(c, k, positions)
+    return k, v
+
+
+def temperature_factor(temperature_tuning, positions, dtype=jnp.float32):
+    """Llama 4's attention temperature tuning: the factor ``log(floor((p + 1) / floor_scale) + 1) *
+    attn_scale + 1`` by which a query at position ``p`` is multiplied (arXiv 2501.19399 motivates it:
+    the attention's entropy grows with the context length, the factor sharpens it back).
+
+    Args:
+      temperature_tuning: ``(floor_scale, attn_scale)`` (Llama 4: 8192 and 0.1).
+      positions: int ``(B, T)``.
+      dtype: of the result; computed in at least float32.
+
+    Returns:
+      ``(B, T)`` in ``dtype``. 1 for ``p + 1 < floor_scale``.
+
+    Note: Hugging Face's ``Llama4TextAttention`` uses ``cache_position`` for ``p``, the index of
+    the token in the cache (0, 1, 2, ... over the whole sequence, padding included); here ``p`` is
+    the ``positions`` argument, so left-padded or packed rows are tuned by their own positions.
+    For an unpadded sequence starting at 0 the two agree.
+    """
+    floor_scale, attn_scale = temperature_tuning
+    acc = jnp.promote_types(dtype, jnp.float32)
+    p = jnp.asarray(positions).astype(acc)
+    return (jnp.log1p(jnp.floor((p + 1) / floor_scale)) * attn_scale + 1).astype(dtype)
+
+
+def _check_context(config, context, name="context"):
+    _checks.check_rank(name, context, 3, "(B, S, D)")
+    check_floating("Attention", name, context)
+    if context.shape[-1] != config.d_model:
+        raise ValueError(f"{name} has shape {context.shape}: its last dim must be d_model={config.d_model}")
+
+
+def context_kv_forward(config: AttentionConfig, params, context, context_positions=None, context_segment_ids=None,
+                       *, precision=None) -> ContextKV:
+    """The cross-attention keys and values of ``context``, computed once for every decode step.
+
+    Args:
+      config, params: as :func:`attention_forward`.
+      context: floating ``(B, S, D)``.
+      context_positions: int ``(B, S)`` or ``(S,)``; required unless ``position='none'``.
+      context_segment_ids: int ``(B, S)`` or None (then the layer's calls give no segment ids).
+      precision: of the projections.
+
+    Returns:
+      a :class:`ContextKV`: keys and values ``(B, S, K, H)`` after projection, QK-norm and RoPE,
+      positions and segment ids ``(B, S)`` (or None). Passed as ``context=`` to the layer, it
+      gives the result of the raw ``context``.
+    """
+    c = config
+    _check_context(c, context)
+    B, S, _ = context.shape
+    context_positions = _batched_positions("context_positions", context_positions, B, S)
+    if c.position != "none" and context_positions is None:
+        raise ValueError(f"context_positions are required with position='{c.position}': pass positions of "
+                         f"shape ({B}, {S})")
+    context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S)
+    k, v = _project_keys_values(c, params, context, context_positions, precision)
+    return ContextKV(key=k, value=v, positions=context_positions, segment_ids=context_segment_ids)
 
 
 def attention_forward(config: AttentionConfig, params, x, positions=None, segment_ids=None, context=None,
@@ -237,7 +414,9 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
       params: the parameter tree of :func:`attention_params` (``variables['params']`` of the Linen
         layer, ``flax_attn.nnx.to_linen(layer)['params']`` of the NNX one).
       x, positions, segment_ids, context, context_positions, context_segment_ids, mask, cache:
-        as in :class:`Attention` (``x`` ``(B, T, D)``, positions ``(B, T)``, ...).
+        as in :class:`Attention` (``x`` ``(B, T, D)``, positions ``(B, T)``, ...). ``context``
+        is a ``(B, S, D)`` array or a :class:`ContextKV` from :func:`context_kv_forward` (then
+        ``context_positions``/``context_segment_ids`` come from it and must not be given).
       dropout_rng: the PRNG key for dropout on the attention weights (``config.dropout``), or
         None for no dropout.
       precision, implementation: passed to the projections and :func:`dot_product_attention`.
@@ -253,44 +432,51 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
         raise ValueError(f"x has shape {x.shape}: its last dim must be d_model={D}")
     B, T, _ = x.shape
     cross = context is not None
+    precomputed = isinstance(context, ContextKV)
     if cross:
-        _checks.check_rank("context", context, 3, "(B, S, D)")
-        check_floating("Attention", "context", context)
-        if context.shape[0] != B or context.shape[-1] != D:
-            raise ValueError(f"context has shape {context.shape}, expected ({B}, S, {D}) for x of shape {x.shape}")
+        if precomputed:
+            if context_positions is not None or context_segment_ids is not None:
+                raise ValueError("context is a ContextKV, which holds its positions and segment ids: do not pass "
+                                 "context_positions or context_segment_ids")
+            context.check_fits(B, K, H)
+            context_positions, context_segment_ids = context.positions, context.segment_ids
+        else:
+            _check_context(c, context)
+            if context.shape[0] != B:
+                raise ValueError(f"context has shape {context.shape}, expected ({B}, S, {D}) for x of shape {x.shape}")
         if cache is not None:
             raise ValueError("cache is for self-attention; pass either context or cache")
-    source = context if cross else x
-    S_new = source.shape[1]
-    needs_positions = c.position != "none" or cache is not None
+    S_new = (context.key.shape[1] if precomputed else context.shape[1]) if cross else T
+    needs_positions = c.position != "none" or cache is not None or c.temperature_tuning is not None
     positions = _batched_positions("positions", positions, B, T)
     if needs_positions and positions is None:
-        raise ValueError(f"positions are required with position='{c.position}'"
-                         f"{' and a cache' if cache is not None else ''}: pass positions of shape ({B}, {T})")
+        why = f"position='{c.position}'" if c.position != "none" else \
+            ("a cache" if cache is not None else "temperature_tuning")
+        raise ValueError(f"positions are required with {why}: pass positions of shape ({B}, {T})")
     if cross:
-        context_positions = _batched_positions("context_positions", context_positions, B, S_new)
+        if not precomputed:
+            context_positions = _batched_positions("context_positions", context_positions, B, S_new)
         if c.position != "none" and context_positions is None:
             raise ValueError(f"context_positions are required with position='{c.position}'")
     else:
         context_positions = positions
     segment_ids = _batched_positions("segment_ids", segment_ids, B, T)
     if cross:
-        context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S_new)
+        if not precomputed:
+            context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S_new)
         if (segment_ids is None) != (context_segment_ids is None):
-            raise ValueError("segment_ids and context_segment_ids must be given together")
+            raise ValueError("segment_ids and context_segment_ids must be given together"
+                             + (" (the ContextKV was made with context_segment_ids="
+                                f"{'None' if context_segment_ids is None else 'given'})" if precomputed else ""))
     else:
         context_segment_ids = segment_ids
 
-    q = dense(params["q_proj"], x, precision)
-    k = dense(params["k_proj"], source, precision)
-    if c.qk_norm and c.qk_norm_scope == "projection":  # over all heads' features, before the split
-        q, k = _qk_norm(c, params["q_norm"], q), _qk_norm(c, params["k_norm"], k)
-    q, k = q.reshape(B, T, N, H), k.reshape(B, S_new, K, H)
-    v = dense(params["v_proj"], source, precision).reshape(B, S_new, K, H)
-    if c.qk_norm and c.qk_norm_scope != "projection":  # over each head's H features
-        q, k = _qk_norm(c, params["q_norm"], q), _qk_norm(c, params["k_norm"], k)
-    if c.position == "rope":
-        q, k = _rope(c, q, positions), _rope(c, k, context_positions)
+    q = _project_queries(c, params, x, positions, precision)
+    if precomputed:
+        context.check_dtype(q)
+        k, v = context.key, context.value
+    else:
+        k, v = _project_keys_values(c, params, context if cross else x, context_positions, precision)
 
     key_positions, key_segments = context_positions, context_segment_ids
     mask_key_positions, mask_segments = None, ()  # () = as key_positions / key_segments
@@ -300,22 +486,25 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
             segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)
         cache.check_compatible(k, v, positions, segment_ids)
         cache.check_dtype(k)
-        if cache.rolling and (c.sliding_window is None or cache.max_len < c.sliding_window - 1):
+        reach = c.cache_window
+        if cache.rolling and (reach is None or cache.max_len < reach - 1):
             raise ValueError(f"a rolling cache of max_len={cache.max_len} is too small for "
-                             f"sliding_window={c.sliding_window}: use AttentionConfig.init_cache")
+                             f"sliding_window={c.sliding_window} and chunk_size={c.chunk_size}: "
+                             f"use AttentionConfig.init_cache")
         # Padding keeps zeros in its slots, so no garbage (NaN in padded embeddings) is ever cached.
         pad = (segment_ids < 0)[:, :, None, None]
         k, v = jnp.where(pad, jnp.zeros_like(k), k), jnp.where(pad, jnp.zeros_like(v), v)
         new_cache = cache.update(k, v, positions, segment_ids)
-        if cache.holds_window(T, c.sliding_window):
+        if cache.holds_window(T, reach):
             # The new keys are in their slots: attend over the cache itself (no copy); unwritten
             # slots have segment id -1, and the stored positions give causal and window masks.
             k, v = new_cache.keys(), new_cache.values()
             key_positions, key_segments = new_cache.positions, new_cache.segment_ids
             if T == 1 and (c.causal or c.window is not None):
                 # One query per row: its segment rule (same segment, no padding) folds into the key
-                # positions, a slot it may not see moving out of reach of the causal/window rule.
-                # The core then needs no segment ids and zeroes no cached keys (a pass over the cache).
+                # positions, a slot it may not see moving out of reach of the causal/window rule
+                # (and into another chunk). The core then needs no segment ids and zeroes no cached
+                # keys (a pass over the cache).
                 same = (key_segments == segment_ids) & (key_segments >= 0)
                 mask_key_positions = jnp.where(same, key_positions, _OUT_OF_REACH)
                 mask_segments = None
@@ -328,7 +517,10 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
 
     bias = None
     if c.position == "alibi":
-        bias = alibi_lib.alibi_bias(alibi_lib.alibi_slopes(N), positions, key_positions)
+        slopes = alibi_lib.alibi_slopes(N)
+        if c.alibi_scaled:  # (q.k + alibi) * scale = q.k * scale + alibi * scale
+            slopes = slopes * (c.scale if c.scale is not None else 1.0 / np.sqrt(H))
+        bias = alibi_lib.alibi_bias(slopes, positions, key_positions)
     elif c.position == "t5":
         bias = t5_lib.t5_bias(params["rel_bias"]["embedding"], positions, key_positions, bidirectional=not c.causal,
                               max_distance=c.t5_max_distance)
@@ -336,6 +528,12 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
         mask_key_positions = key_positions
     if mask_segments == ():
         mask_segments = key_segments
+    if c.chunk_size is not None:  # Llama 4: a query sees keys of its own chunk, position // chunk_size
+        chunks = mask_lib.chunked(c.chunk_size)
+        if mask is None:
+            mask = chunks
+        else:
+            mask = chunks & (mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
     out = dot_product_attention(
         q, k, v, bias, mask,
         scale=c.scale, is_causal=c.causal, local_window_size=c.window,
@@ -360,8 +558,10 @@ class Attention(nn.Module):
       positions: int ``(B, T)`` or ``(T,)``. Required unless ``position='none'`` and no cache.
       segment_ids: int ``(B, T)``: packed sequences attend only within their segment; negative
         ids mark padding (never attended to; such queries return zeros).
-      context: ``(B, S, D)`` for cross-attention (keys and values from it; set ``causal=False``);
-        context_positions, context_segment_ids: as above for the context (``(B, S)``).
+      context: ``(B, S, D)`` for cross-attention (keys and values from it; set ``causal=False``),
+        or a :class:`ContextKV` made once by :meth:`context_kv` (the same result, without
+        projecting the context again); context_positions, context_segment_ids: as above for the
+        context (``(B, S)``), held by a ``ContextKV`` instead.
       mask: extra boolean mask, True = may attend, broadcastable to ``(B, N, T, S)``.
       cache: a :class:`KVCache` (self-attention only; its dtype must be the keys' dtype, see
         :meth:`init_cache`): the call writes its keys into the cache, attends over the cache
@@ -397,3 +597,15 @@ class Attention(nn.Module):
         return attention_forward(self.config, params, x, positions, segment_ids, context, context_positions,
                                  context_segment_ids, mask, cache, dropout_rng=rng, precision=self.precision,
                                  implementation=self.implementation)
+
+    def context_kv(self, context, context_positions=None, context_segment_ids=None) -> ContextKV:
+        """The cross-attention keys and values of ``context`` ``(B, S, D)`` (positions and
+        segment ids ``(B, S)``), to pass as ``context=`` at every later call:
+
+            ckv = layer.apply(variables, context, context_positions, method='context_kv')
+            y = layer.apply(variables, x, positions, context=ckv)   # = context=context, ...
+
+        See :func:`context_kv_forward`."""
+        params = declared(self, attention_params(self.config))
+        return context_kv_forward(self.config, params, context, context_positions, context_segment_ids,
+                                  precision=self.precision)

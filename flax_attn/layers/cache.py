@@ -17,7 +17,8 @@ concatenated and no mask is rebuilt beyond the ``(B, 1, T, S)`` comparison of po
 
 A linear cache (the default) holds ``max_len`` tokens and raises on overflow. A rolling cache
 (``rolling=True``) overwrites its oldest slots: for sliding-window attention it needs only
-``max_len >= window - 1`` slots, whatever the sequence length. When a call's new tokens would
+``max_len >= window - 1`` slots, whatever the sequence length (for chunked attention,
+``chunk_size - 1``: a query sees at most the keys of its chunk). When a call's new tokens would
 overwrite keys that its own queries still see (``max_len < window + T - 1``, e.g. a long
 prefill into a small ring), the layer attends over the cached slots followed by the new keys
 instead (a concatenation, as for any prefill that does not fit the ring).
@@ -232,3 +233,51 @@ class KVCache:
 
         return self.replace(key=empty(self.key, 0), value=empty(self.value, 0), positions=empty(self.positions, 0),
                             segment_ids=empty(self.segment_ids, -1), length=length)
+
+
+@flax.struct.dataclass
+class ContextKV:
+    """Cross-attention keys and values computed once from a context, reused by every call.
+
+    Made by ``Attention.context_kv`` (Linen: ``layer.apply(variables, context, context_positions,
+    method='context_kv')``; NNX: ``layer.context_kv(context, context_positions)``) and passed
+    as the layer's ``context=``: an encoder-decoder's decoder then projects the encoder output
+    once, not at every decoding step.
+
+    ``key`` and ``value`` ``(B, S, K, H)``: after projection, QK-norm and RoPE (the context's
+    positions); ``positions`` and ``segment_ids`` ``(B, S)`` int32, or None when not given.
+    A pytree: it goes through ``jax.jit`` as an argument.
+    """
+
+    key: Any
+    value: Any
+    positions: Any = None
+    segment_ids: Any = None
+
+    @property
+    def dtype(self):
+        return self.key.dtype
+
+    def check_fits(self, batch: int, num_kv_heads: int, head_dim: int) -> None:
+        """``ValueError`` unless keys and values are ``(batch, S, num_kv_heads, head_dim)`` and
+        positions and segment ids (when held) ``(batch, S)``."""
+        if getattr(self.key, "ndim", None) != 4 or getattr(self.value, "ndim", None) != 4:
+            raise ValueError(f"ContextKV keys {_checks.shape_of(self.key)} and values {_checks.shape_of(self.value)} "
+                             f"must be (B, S, K, H)")
+        want = (batch, self.key.shape[1], num_kv_heads, head_dim)
+        if self.key.shape != want or self.value.shape != want:
+            raise ValueError(f"ContextKV keys {self.key.shape} / values {self.value.shape} do not fit this layer and "
+                             f"x: expected (B, S, K, H) = {want} (batch {batch}, {num_kv_heads} key/value heads of "
+                             f"{head_dim})")
+        for name in ("positions", "segment_ids"):
+            a = getattr(self, name)
+            if a is not None and _checks.shape_of(a) != want[:2]:
+                raise ValueError(f"ContextKV {name} have shape {_checks.shape_of(a)}, expected {want[:2]}")
+
+    def check_dtype(self, query) -> None:
+        """``TypeError`` unless the keys have the dtype of the layer's queries ``query`` (the
+        dtype keys computed from a raw context of ``x``'s dtype would have)."""
+        new, held = _checks.dtype_of(query), self.key.dtype
+        if new != held or self.value.dtype != held:
+            raise TypeError(f"ContextKV keys/values of dtype {held}/{self.value.dtype} do not match the layer's "
+                            f"queries' dtype {new}: make the ContextKV from a context of the dtype of x")

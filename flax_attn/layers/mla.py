@@ -30,7 +30,9 @@ gives the same logits). ``'rotate_half'`` pairs dim i with i + d_r/2: Hugging Fa
 **Latent cache.** :class:`LatentKVCache` stores the normalised ``c_kv`` ``(B, S, r_kv)`` and the
 rotated ``k_r`` ``(B, S, d_r)`` per slot, with positions and segment ids like
 :class:`flax_attn.KVCache`: ``r_kv + d_r`` numbers per token and layer instead of
-``N (d_n + d_r + d_v)`` (DeepSeek-V3: 576 instead of 40960, 71x smaller).
+``N (d_n + d_r + d_v)`` (DeepSeek-V3: 576 instead of 40960, 71x smaller). It is checked as
+``KVCache`` is (shapes, dtype, overflow, a row's new positions after its cached ones) and rolls
+back only on purpose (:meth:`LatentKVCache.truncate`).
 
 **Absorbed form** (``MLAConfig(absorb=True)``): ``q_n k_n^T = (q_n W_UK^T) c_kv^T``, so the query
 is mapped into the latent space and attention runs as multi-query attention over the cached
@@ -39,7 +41,8 @@ to the attention output. The same function; per decoded token it reads the laten
 instead of decompressing N heads' keys and values for every cached token.
 
 The pure stage is :func:`mla_forward` with the parameter specs of :func:`mla_params`;
-:class:`MultiHeadLatentAttention` (Linen) holds the parameters and calls it. Parameter names are
+:class:`MultiHeadLatentAttention` (Linen) and its NNX twin
+:class:`flax_attn.nnx.mla.MultiHeadLatentAttention` hold the parameters and call it. Parameter names are
 Hugging Face's (``q_a_proj``, ``kv_b_proj``, ...), so :func:`from_torch_state_dict` reads a
 ``DeepseekV3Attention`` (or ``torch_ref.mla.MultiHeadLatentAttention``) state_dict.
 """
@@ -149,8 +152,11 @@ class LatentKVCache:
     never attended to), and ``length`` (int32 scalar), the tokens written so far.
 
     Fixed shapes (a jitted step compiles once); new tokens are written in place at ``length``
-    with ``lax.dynamic_update_slice``. Overflow raises ``ValueError`` (eagerly; under ``jax.jit``
-    when the compiled program runs).
+    with ``lax.dynamic_update_slice``. Checked as :class:`flax_attn.KVCache` is: new latents,
+    positions and segment ids must have the cache's batch and widths (``ValueError`` quoting the
+    shapes); overflow and new positions that do not come after a row's cached ones raise
+    ``ValueError`` (eagerly; under ``jax.jit`` when the compiled program runs);
+    :meth:`truncate` rolls back on purpose.
     """
 
     c_kv: Any
@@ -205,6 +211,17 @@ class LatentKVCache:
             "latent KV cache overflow: {length} cached + {new} new tokens > max_len={max_len}; "
             "create a larger cache (MLAConfig.init_cache(batch, max_len))",
             length=self.length, new=T, max_len=S)
+        # Positions go forward: each row's new (non-padding) positions after its cached ones (as
+        # KVCache); not checked when the write overflows (that error comes first, and alone).
+        filled = (jnp.arange(S) < self.length)[None, :] & (self.segment_ids >= 0)
+        cached_max = jnp.max(jnp.where(filled, self.positions, jnp.iinfo(jnp.int32).min), axis=1)
+        new_min = jnp.min(jnp.where(jnp.asarray(segment_ids) >= 0, jnp.asarray(positions),
+                                    jnp.iinfo(jnp.int32).max), axis=1)
+        _checks.runtime_check(
+            jnp.all(new_min > cached_max) | (self.length + T > S),
+            "latent KV cache positions go backwards: new positions (smallest per row {new}) must come after the "
+            "cached ones (largest per row {cached}); to roll back, call cache.truncate(length) first",
+            new=new_min, cached=cached_max)
 
         def write(buf, new):
             return jax.lax.dynamic_update_slice_in_dim(buf, jnp.asarray(new).astype(buf.dtype), self.length, axis=1)
@@ -212,6 +229,26 @@ class LatentKVCache:
         return self.replace(c_kv=write(self.c_kv, c_kv), k_pe=write(self.k_pe, k_pe),
                             positions=write(self.positions, positions),
                             segment_ids=write(self.segment_ids, segment_ids), length=self.length + T)
+
+    def truncate(self, length) -> "LatentKVCache":
+        """The cache holding only its first ``length`` tokens, the other slots emptied (latents
+        zero, segment ids -1): the explicit way to roll back (rewind rejected draft tokens).
+        ``length``: an int or int32 scalar (traced under ``jax.jit``), ``0 <= length <=
+        self.length`` (``ValueError`` otherwise, at run time under ``jax.jit``)."""
+        if isinstance(length, bool) or not (isinstance(length, (int, np.integer)) or (
+                hasattr(length, "dtype") and jnp.issubdtype(length.dtype, jnp.integer) and jnp.ndim(length) == 0)):
+            raise TypeError(f"truncate(length): length must be an integer scalar, got {length!r}")
+        length = jnp.asarray(length, jnp.int32)
+        _checks.runtime_check((length >= 0) & (length <= self.length),
+                              "truncate(length={length}): length must lie in [0, {cached}], the tokens cached",
+                              length=length, cached=self.length)
+        keep = jnp.arange(self.max_len) < length
+
+        def empty(buf, fill):  # slots are axis 1 of every array
+            return jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf, jnp.asarray(fill, buf.dtype))
+
+        return self.replace(c_kv=empty(self.c_kv, 0), k_pe=empty(self.k_pe, 0), positions=empty(self.positions, 0),
+                            segment_ids=empty(self.segment_ids, -1), length=length)
 
 
 def mla_params(config: MLAConfig) -> dict:

@@ -5,6 +5,8 @@ the same pure stage (so nothing is written twice and both compute the same numbe
 
 * :class:`Attention` (configured by :class:`flax_attn.AttentionConfig`; KV cache in, cache out)
   and :class:`LearnedPositionalEmbedding` (:mod:`flax_attn.nnx.layers`);
+* :class:`MultiHeadLatentAttention` (configured by :class:`flax_attn.MLAConfig`; latent cache in,
+  cache out; :mod:`flax_attn.nnx.mla`);
 * the chapter's :class:`SelfAttention_v1`, :class:`SelfAttention_v2`, :class:`CausalAttention`,
   :class:`MultiHeadAttentionWrapper`, :class:`MultiHeadAttention` and the notes'
   :class:`TransformerMultiHeadAttention` (:mod:`flax_attn.nnx.textbook`).
@@ -21,6 +23,7 @@ serve both.
 from flax_attn.nnx.common import Params
 from flax_attn.nnx.convert import from_linen, linen_twin, nnx_class_of, nnx_twin, register, to_linen
 from flax_attn.nnx.layers import Attention, LearnedPositionalEmbedding
+from flax_attn.nnx.mla import MultiHeadLatentAttention
 from flax_attn.nnx.textbook import (
     CausalAttention,
     MultiHeadAttention,
@@ -36,6 +39,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "MultiHeadLatentAttention",
     "Params",
     "SelfAttention_v1",
     "SelfAttention_v2",

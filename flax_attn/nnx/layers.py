@@ -11,6 +11,8 @@ move between them with :func:`flax_attn.nnx.from_linen` / :func:`flax_attn.nnx.t
     y, cache = layer(x, positions, cache=cache)              # the cache goes in and comes back
     step = fa.decode_step(layer)                             # jitted, cache donated
     y, cache = step(cache, x_t, positions_t)
+    ckv = layer.context_kv(enc, enc_positions)               # cross-attention keys/values, once
+    y = cross(x_t, positions_t, context=ckv)                 # (cross: a layer with causal=False)
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from flax import nnx
 
 from flax_attn.layers import attention as linen_attention
 from flax_attn.layers import positional as linen_positional
-from flax_attn.layers.attention import AttentionConfig, attention_forward, attention_params
-from flax_attn.layers.cache import KVCache
+from flax_attn.layers.attention import AttentionConfig, attention_forward, attention_params, context_kv_forward
+from flax_attn.layers.cache import ContextKV, KVCache
 from flax_attn.layers.positional import learned_positions_forward, learned_positions_params
 from flax_attn.nnx.common import Dropout, declare, params_of
 
@@ -77,6 +79,13 @@ class Attention(Dropout, nnx.Module):
         return attention_forward(self.config, params_of(self), x, positions, segment_ids, context, context_positions,
                                  context_segment_ids, mask, cache, dropout_rng=key, precision=self.precision,
                                  implementation=self.implementation)
+
+    def context_kv(self, context, context_positions=None, context_segment_ids=None) -> ContextKV:
+        """The cross-attention keys and values of ``context`` ``(B, S, D)`` (positions and
+        segment ids ``(B, S)``) as a :class:`flax_attn.ContextKV`, to pass as ``context=`` at
+        every later call (see :meth:`flax_attn.Attention.context_kv`)."""
+        return context_kv_forward(self.config, params_of(self), context, context_positions, context_segment_ids,
+                                  precision=self.precision)
 
 
 class LearnedPositionalEmbedding(nnx.Module):

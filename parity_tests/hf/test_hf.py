@@ -2,9 +2,11 @@
 missing-feature errors, safetensors files written from NumPy, and the import boundary."""
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import pytest
 
 import flax_attn as fa
 import flax_attn.hf as fhf
+from flax_attn.layers.mla import MLAConfig, MultiHeadLatentAttention
 
 
 # ----------------------------------------------------------------------------- attention_mask helper
@@ -45,8 +48,9 @@ def test_padded_row_equals_the_unpadded_sequence():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 8)))
     params = layer.init(jax.random.key(0), x, jnp.arange(5)[None])
     seg, pos = fhf.segments_and_positions(np.array([[0, 0, 1, 1, 1]]))
-    padded = layer.apply(params, x, pos, seg)
-    alone = layer.apply(params, x[:, 2:], jnp.arange(3)[None])
+    apply = jax.jit(layer.apply)  # one compilation per shape (eagerly, every op compiles)
+    padded = apply(params, x, pos, seg)
+    alone = apply(params, x[:, 2:], jnp.arange(3)[None])
     np.testing.assert_allclose(padded[:, 2:], alone, rtol=1e-12, atol=1e-14)
     np.testing.assert_array_equal(padded[:, :2], 0.0)  # padding queries return zeros
 
@@ -97,14 +101,13 @@ def test_fused_indices_by_hand():
         fhf.fused_indices("per_head", 4, 2, 2)
 
 
-@pytest.mark.parametrize("config, feature", [
-    ({"model_type": "deepseek_v3"}, "multi-head latent attention"),
-    ({"model_type": "llama4"}, "chunked attention"),
-    ({"model_type": "falcon", "alibi": True}, "ALiBi added before the 1/sqrt"),
-])
-def test_missing_features_raise_naming_them(config, feature):
-    with pytest.raises(NotImplementedError, match=feature):
-        fhf.load_attention(config, {})
+def test_missing_features_name_them():
+    # No family lacks a feature today; the mechanism still names what a config would need.
+    assert fhf.MISSING_FEATURES == {}
+    family = dataclasses.replace(fhf.family_of({"model_type": "llama"}), missing=lambda c: ["sketch"])
+    with mock.patch.dict(fhf.MISSING_FEATURES, {"sketch": "a feature flax_attn lacks"}):
+        with pytest.raises(NotImplementedError, match="sketch: a feature flax_attn lacks"):
+            fhf.families.check_supported(family, {"model_type": "llama"})
 
 
 def test_unknown_family_and_bad_weights():
@@ -222,3 +225,113 @@ def test_flax_attn_hf_imports_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True,
                          check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# ----------------------------------------------------------------------------- DeepSeek, Llama 4, Falcon-RW
+
+# DeepSeek-V3's config.json keys (its own sizes shrunk): rope_scaling in the pre-v5 form.
+DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "q_lora_rank": 6, "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 3,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": False,
+            "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def _deepseek_weights(rng, q_lora=True, bias=False):
+    p = "model.layers.0.self_attn."
+    shapes = {"kv_a_proj_with_mqa.weight": (8, 8), "kv_a_layernorm.weight": (4,), "kv_b_proj.weight": (10, 4),
+              "o_proj.weight": (8, 6)}
+    shapes.update({"q_a_proj.weight": (6, 8), "q_a_layernorm.weight": (6,), "q_b_proj.weight": (12, 6)} if q_lora
+                  else {"q_proj.weight": (12, 8)})
+    if bias:
+        shapes.update({"q_a_proj.bias": (6,), "kv_a_proj_with_mqa.bias": (8,), "o_proj.bias": (8,)})
+    out = {p + k: rng.standard_normal(v) for k, v in shapes.items()}
+    out["model.layers.0.mlp.gate_proj.weight"] = rng.standard_normal((3, 8))  # not attention: ignored
+    return out
+
+
+def test_deepseek_by_hand():
+    rng = np.random.default_rng(3)
+    weights = _deepseek_weights(rng, bias=True)
+    (layer,) = fhf.load_attention(DEEPSEEK, weights)
+    c = layer.config
+    assert isinstance(c, MLAConfig) and isinstance(layer.module(), MultiHeadLatentAttention)
+    assert (c.d_model, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+            c.v_head_dim) == (8, 2, 6, 4, 2, 4, 3)
+    assert c.rope_layout == "interleaved" and c.attention_bias and c.causal
+    assert c.rms_norm_eps == 1e-6  # q_a_layernorm/kv_a_layernorm take their default, not rms_norm_eps
+    assert (c.rope_scaling.kind, c.rope_scaling.factor, c.rope_scaling.mscale_all_dim) == ("yarn", 40.0, 1.0)
+    m = 0.1 * 1.0 * math.log(40.0) + 1.0                      # DeepSeek's yarn_get_mscale(40, 1)
+    assert c.softmax_scale == pytest.approx(m * m / math.sqrt(2 + 4), rel=1e-15)
+    p = "model.layers.0.self_attn."
+    np.testing.assert_array_equal(layer.params["kv_b_proj"]["kernel"], weights[p + "kv_b_proj.weight"].T)
+    np.testing.assert_array_equal(layer.params["q_a_layernorm"]["scale"], weights[p + "q_a_layernorm.weight"])
+    np.testing.assert_array_equal(layer.params["o_proj"]["bias"], weights[p + "o_proj.bias"])
+    back = fhf.to_hf_weights(DEEPSEEK, [layer])
+    assert back.keys() == {k for k in weights if ".self_attn." in k}
+    for k, v in back.items():
+        np.testing.assert_array_equal(v, weights[k])
+    # Without q_lora_rank: one q_proj; rope_interleave=False: rotate-half; no bias in the checkpoint.
+    plain = {**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False}
+    weights = _deepseek_weights(rng, q_lora=False)
+    (layer,) = fhf.load_attention(plain, weights)
+    assert layer.config.q_lora_rank is None and layer.config.rope_layout == "rotate_half"
+    assert not layer.config.attention_bias and set(layer.params) == {"q_proj", "kv_a_proj_with_mqa",
+                                                                      "kv_a_layernorm", "kv_b_proj", "o_proj"}
+    assert fhf.to_hf_weights(plain, [layer]).keys() == {k for k in weights if ".self_attn." in k}
+    # DeepSeek-V2 rotates interleaved pairs always (complex multiplication).
+    assert fhf.load_attention({**plain, "model_type": "deepseek_v2"}, weights)[0].config.rope_layout == "interleaved"
+    weights[p + "kv_b_proj.weight"] = np.zeros((9, 4))
+    with pytest.raises(ValueError, match=r"kv_b_proj/kernel: shape \(4, 9\), the layer needs \(4, 10\)"):
+        fhf.load_attention(plain, weights)
+    with pytest.raises(KeyError, match="q_a_proj.weight"):  # a q_lora_rank config needs the low-rank query
+        fhf.load_attention(DEEPSEEK, _deepseek_weights(rng, q_lora=False))
+
+
+# Llama 4's composite config (text_config inside), 4 layers: no_rope_layers by its default interval.
+LLAMA4 = {"model_type": "llama4", "vision_config": {"hidden_size": 8},
+          "text_config": {"model_type": "llama4_text", "hidden_size": 8, "num_attention_heads": 2,
+                          "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 64, "attention_chunk_size": 16, "use_qk_norm": True,
+                          "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                          "rope_theta": 500000.0}}
+
+
+def test_llama4_by_hand():
+    rng = np.random.default_rng(4)
+    weights = {f"language_model.{k}": v for k, v in _llama_weights(rng, layers=4).items()}
+    # The vision tower has attention modules of the same shape under the same template: skipped.
+    weights.update({f"vision_model.{k}": v for k, v in _llama_weights(rng, layers=1).items()})
+    layers = fhf.load_attention(LLAMA4, weights)
+    assert [l.name for l in layers] == [f"language_model.model.layers.{i}.self_attn" for i in range(4)]
+    for rope in layers[:3]:  # no_rope_layer_interval = 4: layers 0, 1, 2 rotate, layer 3 does not
+        c = rope.config
+        assert (c.position, c.rope_layout, c.rope_theta, c.rope_scaling.kind) == ("rope", "interleaved", 500000.0,
+                                                                                  "llama3")
+        assert (c.chunk_size, c.qk_norm, c.qk_norm_weight, c.qk_norm_eps) == (16, True, False, 1e-5)
+        assert c.temperature_tuning is None and "q_norm" not in rope.params  # the L2 norm has no weight
+    nope = layers[3].config
+    assert (nope.position, nope.chunk_size, nope.qk_norm, nope.temperature_tuning) == ("none", None, False,
+                                                                                      (8192.0, 0.1))
+    back = fhf.to_hf_weights(LLAMA4, layers)
+    assert back.keys() == {k for k in weights if k.startswith("language_model.")}
+    # The text model alone, with explicit flags: no QK-norm, no temperature tuning, NoPE first.
+    text = {**LLAMA4["text_config"], "use_qk_norm": False, "attn_temperature_tuning": False,
+            "no_rope_layers": [0, 1]}
+    a, b = fhf.load_attention(text, _llama_weights(rng, layers=2))
+    assert (a.config.position, a.config.temperature_tuning, b.config.position, b.config.qk_norm) == \
+        ("none", None, "rope", False)
+
+
+def test_falcon_rw_alibi_fields():
+    config = {"model_type": "falcon", "hidden_size": 8, "num_attention_heads": 2, "alibi": True,
+              "multi_query": False, "new_decoder_architecture": False, "bias": True}
+    w = {"transformer.h.0.self_attention.query_key_value.weight": np.random.default_rng(5).standard_normal((24, 8)),
+         "transformer.h.0.self_attention.dense.weight": np.zeros((8, 8))}
+    (layer,) = fhf.load_attention(config, w)
+    assert (layer.config.position, layer.config.alibi_scaled, layer.config.kv_heads) == ("alibi", True, 2)
+    # per_head layout: head 0's q, k, v rows, then head 1's.
+    np.testing.assert_array_equal(layer.params["k_proj"]["kernel"][:, :4], w[
+        "transformer.h.0.self_attention.query_key_value.weight"][4:8].T)

@@ -18,12 +18,24 @@ Float32 steps inside the references (stated, measured; see FLOAT32_STEPS):
 * Some families keep a float32 step no option removes; they are compared at the float32
   tolerance 1e-5 instead, listed with the step in FLOAT32_STEPS (the measured errors are in
   the README).
+* A few reference steps are replaced while transformers runs, listed with the reason in
+  PATCHED_STEPS: Falcon's bfloat16 ALiBi slopes (measured by test_falcon_alibi_bfloat16_step)
+  and DeepSeek's float32 RMSNorms, so those families are held to float64 1e-12.
+* Where transformers computes a position from something other than ``position_ids`` (Llama 4's
+  temperature tuning: the index in the padded row), POSITION_QUIRKS gives those layers the
+  positions transformers uses; the README states the difference.
+
+Multi-head latent attention (DeepSeek) goes through the same code: ``HFAttention.module()``
+builds ``MultiHeadLatentAttention`` and its latent cache stands in for the KVCache.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +49,7 @@ import flax_attn as fa  # noqa: E402
 import flax_attn.hf as fhf  # noqa: E402
 import torch_ref as tr  # noqa: E402
 from conftest import TOL, max_rel_error  # noqa: E402
+from flax_attn.layers.mla import MLAConfig  # noqa: E402
 
 # Float32 steps inside transformers that no option removes (family -> the step).
 FLOAT32_STEPS = {
@@ -50,6 +63,39 @@ FLOAT32_STEPS = {
     "olmo2": "Olmo2RMSNorm (the QK-norm) computes in float32: hidden_states.to(torch.float32)",
     "gptj": "GPTJAttention._attn casts query and key to float32 (query.to(torch.float32)), and its sin/cos table "
             "is float32 (create_sinusoidal_positions: .float())",
+    "llama4": "apply_rotary_emb rotates in float32 (xq.float() as complex64), Llama4TextL2Norm (the QK-norm) "
+              "computes in float32 (self._norm(x.float())), and the temperature tuning's scales are float32 "
+              "(torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0)",
+}
+
+# Steps of a reference replaced in the test (family -> [(module, attribute path, replacement name)]):
+# * Falcon's build_alibi_tensor rounds the slopes to bfloat16 and multiplies in bfloat16
+#   (slopes[..., None].bfloat16() * arange_tensor): the slope, the position (converted to bfloat16
+#   for the product) and the product are each rounded to 8 significant bits (relative error up to
+#   u = 2^-8 = 3.9e-3 each) at every dtype; exact only for power-of-two slopes (N <= 8 heads, or N a
+#   power of two up to 8 plus its extra heads: e.g. 4, 6) and positions up to 256. The test removes that step
+#   (float64 slopes, _float64_alibi); test_falcon_alibi_bfloat16_step measures what it costs.
+# * DeepseekV3RMSNorm and DeepseekV2RMSNorm (q_a_layernorm, kv_a_layernorm) compute in float32
+#   (hidden_states.to(torch.float32)); the test runs the same formula in float64 (_float64_rms_norm).
+# * DeepSeek-V2's apply_rotary_emb rotates in complex64 (xq.float()); the test multiplies in
+#   complex128 (_float64_complex_rotary).
+PATCHED_STEPS = {
+    "falcon-alibi": [("transformers.models.falcon.modeling_falcon", "build_alibi_tensor", "_float64_alibi")],
+    "deepseek_v3": [("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3RMSNorm.forward",
+                     "_float64_rms_norm")],
+    "deepseek_v2": [("transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2RMSNorm.forward",
+                     "_float64_rms_norm"),
+                    ("transformers.models.deepseek_v2.modeling_deepseek_v2", "apply_rotary_emb",
+                     "_float64_complex_rotary")],
+}
+
+# Positions transformers uses that are not position_ids (family -> (which layers, convention)).
+# Llama 4's temperature tuning (NoPE layers) scales queries by their index in the padded row plus the
+# cached tokens (torch.arange(T) + past_seen_tokens), not by position_ids: a left-padded row's
+# scale counts its padding. flax_attn takes the positions it is given; those layers get 'index'
+# positions here to reproduce transformers (the rest of the model uses position_ids: 'cumsum').
+POSITION_QUIRKS = {
+    "llama4": (lambda config: getattr(config, "temperature_tuning", None) is not None, "index"),
 }
 
 B, T, PROMPT = 2, 6, 4   # batch, tokens, prompt length of the decode test (then T - PROMPT steps)
@@ -116,6 +162,25 @@ SPECS = {
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, new_decoder_architecture=False,
         multi_query=True, bias=False, alibi=False, rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
         "sdpa"),
+    "falcon-alibi": ("FalconModel", "FalconConfig", dict(   # Falcon-RW: 16 heads, slopes not powers of two
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=16, new_decoder_architecture=False,
+        multi_query=False, parallel_attn=False, bias=True, alibi=True), "sdpa"),
+    "llama4": ("Llama4TextModel", "Llama4TextConfig", _llama_like(
+        num_hidden_layers=2, head_dim=4, intermediate_size=8, intermediate_size_mlp=8, num_local_experts=2,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=3,
+        use_qk_norm=True, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8}), "sdpa"),
+    "deepseek_v3": ("DeepseekV3Model", "DeepseekV3Config", _llama_like(
+        num_key_value_heads=4, q_lora_rank=6, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+        attention_bias=True, first_k_dense_replace=1, n_routed_experts=2, n_group=1, topk_group=1,
+        num_experts_per_tok=1, moe_intermediate_size=8, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32.0, "beta_slow": 1.0}), "sdpa"),
+    "deepseek_v2": ("DeepseekV2Model", "DeepseekV2Config", _llama_like(   # V2-Lite style: no q_lora_rank
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        v_head_dim=6, first_k_dense_replace=1, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0}), "sdpa"),
     "gpt2": ("GPT2Model", "GPT2Config", dict(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=32,
                                               scale_attn_by_inverse_layer_idx=True), "sdpa"),
     "bloom": ("BloomModel", "BloomConfig", dict(vocab_size=VOCAB, hidden_size=16, n_layer=1, n_head=4), "eager"),
@@ -160,31 +225,81 @@ def build(family) -> Built:
     return Built(model, config, layers)
 
 
+# Rotary modules returning complex factor e^{i angle} per pair (multiplied as complex numbers).
+COMPLEX_ROTARY = ("Llama4TextRotaryEmbedding", "DeepseekV2RotaryEmbedding")
+
+
+def _rope_of(config):
+    """(rotary dims, theta, scaling, layout) of a RoPE layer's config (AttentionConfig or MLAConfig), or None."""
+    if isinstance(config, MLAConfig):
+        return config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, config.rope_layout
+    if config.position != "rope":
+        return None
+    return config.rotary_dim or config.kv_head_dim, config.rope_theta, config.rope_scaling, config.rope_layout
+
+
+def _emb(module, angles, layout):
+    """The per-dim angles a rotary module returns for per-pair ``angles``, in its own layout."""
+    name = type(module).__name__
+    if name in ("GptOssRotaryEmbedding",) + COMPLEX_ROTARY:  # one angle per pair
+        return angles
+    if layout == "interleaved" and name != "DeepseekV3RotaryEmbedding":  # Cohere repeats each angle for its pair
+        return torch.repeat_interleave(angles, 2, dim=-1)
+    return torch.cat((angles, angles), dim=-1)  # DeepSeek too: its interleaved rotation reads the first half
+
+
 def _float64_rotary(model, family, layers):
     """Replace each rotary module's float32 angles by float64 ones (torch_ref's frequencies)."""
     by_type = {}
     types = getattr(model.config, "layer_types", None)
     for layer in layers:
-        if layer.config.position == "rope":
-            by_type[types[layer.index] if types else None] = layer.config
+        if _rope_of(layer.config) is not None:
+            by_type[types[layer.index] if types else None] = _rope_of(layer.config)
     if not by_type:
         return
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
-            def forward(x, position_ids, layer_type=None, _by_type=by_type):
-                c = _by_type[layer_type] if layer_type in _by_type else next(iter(_by_type.values()))
-                rd = c.rotary_dim or c.kv_head_dim
-                scaling = dataclasses.asdict(c.rope_scaling) if c.rope_scaling else None
-                inv_freq, factor = tr.modern.rope_inv_freq(rd, c.rope_theta, scaling, int(position_ids.max()) + 1)
-                angles = position_ids[..., None].double() * inv_freq
-                if c.rope_layout == "interleaved":  # Cohere repeats each angle for its pair
-                    emb = torch.repeat_interleave(angles, 2, dim=-1)
-                elif type(module).__name__ == "GptOssRotaryEmbedding":  # one angle per pair: halves rotated
-                    emb = angles
-                else:
-                    emb = torch.cat((angles, angles), dim=-1)
+            def forward(x, position_ids, layer_type=None, _by_type=by_type, _module=module):
+                rd, theta, scaling, layout = _by_type[layer_type] if layer_type in _by_type else \
+                    next(iter(_by_type.values()))
+                scaling = dataclasses.asdict(scaling) if scaling else None
+                inv_freq, factor = tr.modern.rope_inv_freq(rd, theta, scaling, int(position_ids.max()) + 1)
+                emb = _emb(_module, position_ids[..., None].double() * inv_freq, layout)
+                if type(_module).__name__ in COMPLEX_ROTARY:  # complex: factor e^{i angle}
+                    return torch.polar(torch.full_like(emb, factor), emb)
                 return (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
             module.forward = forward
+
+
+def _float64_alibi(attention_mask, num_heads, dtype):
+    """Falcon's build_alibi_tensor without its bfloat16 step: float64 slopes times cumsum positions."""
+    slopes = torch.from_numpy(np.asarray(_alibi_slopes(num_heads)))
+    positions = ((attention_mask.cumsum(dim=-1) - 1) * attention_mask)[:, None, :]
+    alibi = slopes[..., None] * positions.double()
+    return alibi.reshape(attention_mask.shape[0] * num_heads, 1, attention_mask.shape[1]).to(dtype)
+
+
+def _float64_rms_norm(self, hidden_states):
+    """DeepseekV3RMSNorm.forward in float64: weight * x / sqrt(mean(x^2) + eps)."""
+    x = hidden_states.double()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(hidden_states.dtype)
+
+
+def _float64_complex_rotary(xq, xk, freqs_cis):
+    """DeepSeek-V2's apply_rotary_emb in complex128: adjacent pairs times e^{i angle}."""
+    def rotate(x):
+        pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs_cis.unsqueeze(1)).flatten(3).type_as(x)
+    return rotate(xq), rotate(xk)
+
+
+def _alibi_slopes(n):
+    """ALiBi's head slopes written out (Press et al.): 2^(-8k/p) for the largest power of two
+    p <= n, then 2^(-4(2j - 1)/p) for the remaining heads."""
+    p = 2 ** int(np.floor(np.log2(n)))
+    return [2.0 ** (-8.0 * k / p) for k in range(1, p + 1)] + [2.0 ** (-4.0 * (2 * j - 1) / p)
+                                                                 for j in range(1, n - p + 1)]
 
 
 class Capture:
@@ -234,7 +349,7 @@ def run_hf(family, mask, *, steps=0):
     ids = _inputs(family, mask)
     m = torch.tensor(mask)
     pre = mask.shape[1] - steps
-    with Capture(model, b.layers) as cap, torch.no_grad():
+    with Capture(model, b.layers) as cap, torch.no_grad(), _patched(family):
         if family in SEQ2SEQ:
             enc_mask = torch.tensor(np.ones_like(mask) if family == "whisper" else mask)
             if family == "whisper":
@@ -260,22 +375,55 @@ def run_hf(family, mask, *, steps=0):
     return b, cap.calls
 
 
+@contextlib.contextmanager
+def _patched(family):
+    """The reference with the steps of PATCHED_STEPS[family] replaced (nothing for other families)."""
+    if family not in PATCHED_STEPS:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for module, path, replacement in PATCHED_STEPS[family]:
+            owner = importlib.import_module(module)
+            *parents, name = path.split(".")
+            for parent in parents:
+                owner = getattr(owner, parent)
+            stack.enter_context(mock.patch.object(owner, name, globals()[replacement]))
+        yield
+
+
+_JITTED = {}
+
+
+def _jitted_apply(layer):
+    """The layer's jitted ``apply``, one per layer config for the whole module: the full pass,
+    padded batch and decode tests of a family share its compilations (eagerly, every op of every
+    call shape compiles)."""
+    if layer.config not in _JITTED:
+        _JITTED[layer.config] = jax.jit(layer.module().apply)
+    return _JITTED[layer.config]
+
+
 def compare(family, mask, *, steps=0):
     """flax_attn on the captured inputs, with the cache when decoding; worst error on real tokens."""
     b, calls = run_hf(family, mask, steps=steps)
     convention = fhf.convention_of(b.config)
-    seg, pos = (np.asarray(a) for a in fhf.segments_and_positions(mask, convention=convention))
+    seg, base_pos = (np.asarray(a) for a in fhf.segments_and_positions(mask, convention=convention))
+    pos = base_pos
     enc_mask = np.ones_like(mask) if family == "whisper" else mask  # Whisper's encoder has no padding mask
     enc_seg = np.where(enc_mask == 1, 0, -1)
     worst = 0.0
     pre = mask.shape[1] - steps
+    quirk_pos = None
+    if family in POSITION_QUIRKS:
+        quirk_pos = np.asarray(fhf.segments_and_positions(mask, convention=POSITION_QUIRKS[family][1])[1])
     for layer in b.layers:
-        module = fa.Attention(layer.config)
+        apply = _jitted_apply(layer)
         params = {"params": jax.tree_util.tree_map(jnp.asarray, layer.params)}
         got = calls[layer.name]
+        pos = quirk_pos if quirk_pos is not None and POSITION_QUIRKS[family][0](layer.config) else base_pos
         if layer.stack == "encoder":
             (x, _, out), = got
-            y = module.apply(params, x, pos, enc_seg)
+            y = apply(params, x, pos, enc_seg)
             worst = max(worst, _err(y, out, enc_mask))
             continue
         cache = None if layer.kind == "cross" else layer.config.init_cache(batch=B, max_len=mask.shape[1],
@@ -284,10 +432,10 @@ def compare(family, mask, *, steps=0):
         assert len(got) == len(spans), f"{layer.name}: {len(got)} calls captured, expected {len(spans)}"
         for (x, context, out), (s, e) in zip(got, spans):
             if layer.kind == "cross":
-                y = module.apply(params, x, pos[:, s:e], seg[:, s:e], context=context,
+                y = apply(params, x, pos[:, s:e], seg[:, s:e], context=context,
                                  context_segment_ids=enc_seg, context_positions=None)
             else:
-                y, cache = module.apply(params, x, pos[:, s:e], seg[:, s:e], cache=cache)
+                y, cache = apply(params, x, pos[:, s:e], seg[:, s:e], cache=cache)
             worst = max(worst, _err(y, out, mask[:, s:e]))
     return worst
 
@@ -345,7 +493,7 @@ def test_weights_round_trip(family):
 ROPE_FAMILIES = sorted(f for f in SPECS if f in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
                                                   "phi", "gpt_neox", "falcon", "falcon-multi-query",
                                                   "cohere", "cohere-qk-norm", "phi-qk-layernorm", "olmo2",
-                                                  "gpt_oss"))
+                                                  "gpt_oss", "llama4", "deepseek_v3", "deepseek_v2"))
 
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
@@ -362,20 +510,40 @@ def test_rotary_module_matches_flax_attn(family):
     for last in (3, 5, 30):  # max position + 1 = 4, 6, 31: around the original contexts of the specs
         pos = torch.arange(last + 1)[None]
         for layer in b.layers:
-            c = layer.config
+            if _rope_of(layer.config) is None:  # Llama 4's NoPE layers
+                continue
+            rd, theta, scaling, layout = _rope_of(layer.config)
             takes_type = "layer_type" in inspect.signature(inspect.unwrap(type(module).forward)).parameters
             kwargs = {"layer_type": types[layer.index]} if types and takes_type else {}
-            cos, sin = type(module).forward(module, torch.zeros(1, dtype=torch.float64), pos, **kwargs)
-            rd = c.rotary_dim or c.kv_head_dim
-            inv, factor = fa.rope_frequencies(rd, theta=c.rope_theta, scaling=c.rope_scaling, seq_len=last + 1)
-            angles = np.arange(last + 1)[:, None] * inv
-            if c.rope_layout == "interleaved":
-                angles = np.repeat(angles, 2, axis=-1)
-            elif type(module).__name__ != "GptOssRotaryEmbedding":  # gpt-oss: one angle per pair
-                angles = np.concatenate([angles, angles], axis=-1)
+            out = type(module).forward(module, torch.zeros(1, dtype=torch.float64), pos, **kwargs)
+            cos, sin = (out.real, out.imag) if torch.is_tensor(out) else out  # COMPLEX_ROTARY: factor e^{i angle}
+            inv, factor = fa.rope_frequencies(rd, theta=theta, scaling=scaling, seq_len=last + 1)
+            angles = _emb(module, torch.from_numpy(np.arange(last + 1)[:, None] * np.asarray(inv)), layout).numpy()
             worst = max(worst, max_rel_error(cos[0].numpy(), np.cos(angles) * factor),
                         max_rel_error(sin[0].numpy(), np.sin(angles) * factor))
     assert worst <= TOL[np.dtype(np.float32)], f"{family}: {worst:.3e}"
+
+
+def test_falcon_alibi_bfloat16_step():
+    """Falcon's ALiBi tensor, as transformers builds it (bfloat16 slopes times positions, rounded
+    to bfloat16), against the exact slope * position: within three bfloat16 roundings (slope,
+    position, product: (1 + u)^3 - 1, u = 2^-8) and not exact for 16 heads (slopes 2^(-k/2)) or
+    positions beyond 256. With the step
+    in place a full pass of the tiny Falcon-RW differs from flax_attn by about 1e-4 (measured
+    9.7e-5), far above float64 rounding: the other parity tests remove it (PATCHED_STEPS)."""
+    from transformers.models.falcon import modeling_falcon
+    mask = torch.ones(1, 300, dtype=torch.long)
+    theirs = modeling_falcon.build_alibi_tensor(mask, 16, torch.float64).reshape(16, 300).numpy()
+    exact = np.asarray(_alibi_slopes(16))[:, None] * np.arange(300)
+    np.testing.assert_allclose(_alibi_slopes(16), fa.alibi_slopes(16), rtol=1e-15)  # flax_attn's slopes
+    rel = np.abs(theirs - exact)[:, 1:] / exact[:, 1:]
+    u = 2.0 ** -8
+    assert rel.max() <= (1 + u) ** 3 - 1, rel.max()
+    assert rel.max() > u, rel.max()  # more than one rounding: the step is what the patched tests remove
+    np.testing.assert_array_equal(_float64_alibi(mask, 16, torch.float64).reshape(16, 300).numpy(), exact)
+    with mock.patch.dict(PATCHED_STEPS, clear=True):  # transformers as it is: the bfloat16 step in place
+        err = compare("falcon-alibi", FULL)
+    assert 1e-6 < err < 1e-3, f"{err:.3e}"
 
 
 ROPE_PARAMETERS = {

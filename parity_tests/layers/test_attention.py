@@ -47,6 +47,14 @@ CONFIGS = {
                       "qk_norm_bias": True, "qk_norm_zero_centered": True, "num_kv_heads": 1},
     "bias-q-v-whisper": {"qkv_bias": (True, False, True), "out_bias": True, "position": "none", "causal": False},
     "sinks-gpt-oss": {"sinks": True, "num_kv_heads": 2, "sliding_window": 3, "qkv_bias": True, "out_bias": True},
+    # Llama 4: chunks of 4 positions (straddled by both rows), its weightless QK-norm (applied after
+    # RoPE by the twin, before it by the layer: the same function), interleaved RoPE, and the
+    # temperature tuning of its NoPE layers (here on a RoPE layer, so one case covers all four).
+    "chunked-l2norm-temperature-llama4": {"chunk_size": 4, "num_kv_heads": 2, "qk_norm": True,
+                                          "qk_norm_weight": False, "rope_layout": "interleaved",
+                                          "temperature_tuning": (2.0, 0.5)},
+    # Falcon-RW: ALiBi added to q.k before the scale 1/sqrt(H) = 1/2 multiplies both.
+    "alibi-scaled-falcon": {"position": "alibi", "alibi_scaled": True, "qkv_bias": True, "out_bias": True},
 }
 # Norm weights start at ones (zeros when zero-centred) and sinks at random: these cases move every
 # parameter off its initial value, so that a weight applied to the wrong head or feature shows.
@@ -177,3 +185,34 @@ def test_segment_ids_never_leak(name):
 def test_layer_depends_only_on_relative_positions(name):
     layer, params, x, positions = _layer(CONFIGS[name])
     assert_close(layer.apply(params, x, positions + 17), layer.apply(params, x, positions), np.float64, "shifted")
+
+
+def test_chunks_follow_positions():
+    # Llama 4's chunked attention: positions 2..9 in chunks of 3 are the chunks 0 | 1 1 1 | 2 2 2 | 3
+    # (by position, not by index); a query sees the keys of its chunk up to itself.
+    layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, chunk_size=3))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 8, D)))
+    positions = jnp.arange(8)[None] + 2
+    params = jax.jit(layer.init)(jax.random.key(0), x, positions)
+    jac = jax.jit(jax.jacrev(lambda a: layer.apply(params, a, positions)))(x)  # (1, T, D, 1, T, D)
+    dep = np.abs(np.asarray(jac[0, :, :, 0])).max(axis=(1, 3))
+    chunk = np.array([0, 1, 1, 1, 2, 2, 2, 3])
+    t, s = np.indices(dep.shape)
+    inside = (s <= t) & (chunk[t] == chunk[s])
+    assert (dep[~inside] == 0).all(), "a query sees a key of another chunk (or a later one)"
+    assert (dep[inside] > 0).all()
+
+
+def test_temperature_factor_numbers():
+    # Llama 4's defaults floor_scale=8192, attn_scale=0.1: 1 below position 8191, then 1 + 0.1 ln(1 + k)
+    # from position k * 8192 - 1 on.
+    from flax_attn.layers.attention import temperature_factor
+    p = jnp.array([[0, 8190, 8191, 16382, 16383, 24575]])
+    want = [1.0, 1.0, 1 + 0.1 * np.log(2), 1 + 0.1 * np.log(2), 1 + 0.1 * np.log(3), 1 + 0.1 * np.log(4)]
+    np.testing.assert_allclose(temperature_factor((8192.0, 0.1), p, jnp.float64)[0], want, rtol=1e-15)
+
+
+def test_weightless_qk_norm_has_no_parameters():
+    layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, qk_norm=True, qk_norm_weight=False))
+    params = jax.eval_shape(layer.init, jax.random.key(0), jnp.zeros((1, 2, D)), jnp.arange(2)[None])
+    assert sorted(params["params"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]

@@ -210,3 +210,80 @@ def test_truncate_checks_its_argument():
     rolling = fa.AttentionConfig(d_model=D, num_heads=N, sliding_window=4).init_cache(batch=1, max_len=4, rolling=True)
     with pytest.raises(ValueError, match="a rolling cache cannot be truncated"):
         rolling.truncate(0)
+
+
+# ---------------------------------------------------------------- Llama 4 and Falcon-RW layers, cached
+
+@pytest.mark.parametrize("name, cfg", [
+    ("llama4", {"chunk_size": 4, "num_kv_heads": 2, "qk_norm": True, "qk_norm_weight": False,
+                "rope_layout": "interleaved", "temperature_tuning": (2.0, 0.5)}),
+    ("falcon-rw", {"position": "alibi", "alibi_scaled": True, "qkv_bias": True}),
+])
+def test_cached_decoding_of_llama4_and_falcon_layers(name, cfg):
+    # Prefill 5 tokens, then one per step, the second row at an offset (chunk boundaries and the
+    # temperature follow positions): equal to the full pass (itself equal to the torch twin, see
+    # test_attention.py). Llama 4's chunked layer also decodes token by token with a rolling cache
+    # of chunk_size slots.
+    config = fa.AttentionConfig(d_model=D, num_heads=N, **cfg)
+    layer = fa.Attention(config)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 9, D)))
+    positions = jnp.arange(9)[None] + jnp.array([[0], [3]])
+    params = jax.jit(layer.init)(jax.random.key(0), x, positions)
+    full = jax.jit(layer.apply)(params, x, positions)
+    decoded, _ = _decode(layer, params, config.init_cache(batch=2, max_len=9, dtype=jnp.float64), x, positions,
+                         prefill=5)
+    assert_close(decoded, full, np.float64, f"{name}, linear cache")
+    if config.chunk_size is not None:
+        rolling = config.init_cache(batch=2, max_len=4, dtype=jnp.float64, rolling=True)
+        decoded, rolling = _decode(layer, params, rolling, x, positions, prefill=1)
+        assert_close(decoded, full, np.float64, f"{name}, rolling cache")
+        assert rolling.key.shape[1] == 4
+
+
+def test_rolling_cache_for_chunks_needs_chunk_minus_one_slots():
+    config = fa.AttentionConfig(d_model=D, num_heads=N, chunk_size=4)
+    assert config.cache_window == 4
+    assert fa.AttentionConfig(d_model=D, num_heads=N, chunk_size=4, sliding_window=2).cache_window == 2
+    with pytest.raises(ValueError, match=r"sliding_window=None, chunk_size=4 needs max_len >= 3, got 2"):
+        config.init_cache(batch=1, max_len=2, rolling=True)
+
+
+# ---------------------------------------------------------------- cross-attention keys and values, once
+
+def test_context_kv_decoder_equals_the_raw_context():
+    # A decoder block: causal self-attention with a KV cache, then cross-attention to an encoder's
+    # output. The cross-attention's keys and values are computed once (a ContextKV) and reused at
+    # every jitted step; the result equals the full pass, which projects the raw context.
+    B, T, S = 2, 5, 5
+    self_layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2))
+    cross = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2, causal=False, qk_norm=True,
+                                            qkv_bias=True))
+    rng = np.random.default_rng(2)
+    x, context = jnp.asarray(rng.standard_normal((B, T, D))), jnp.asarray(rng.standard_normal((B, S, D)))
+    positions, c_positions = jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.arange(S)[None] + jnp.array([[0], [2]])
+    c_segments = jnp.array([[0, 0, 0, 0, 0], [0, 0, 0, -1, -1]])  # row 1's context is padded
+    segments = jnp.zeros((B, T), jnp.int32)
+    p_self, p_cross = jax.jit(lambda k1, k2: (
+        self_layer.init(k1, x, positions),
+        cross.init(k2, x, positions, segments, context, c_positions, c_segments)))(jax.random.key(0), jax.random.key(1))
+
+    @jax.jit
+    def full_pass(x):
+        h = x + self_layer.apply(p_self, x, positions)
+        return h + cross.apply(p_cross, h, positions, segments, context, c_positions, c_segments)
+
+    ckv = jax.jit(lambda c, p, s: cross.apply(p_cross, c, p, s, method="context_kv"))(context, c_positions, c_segments)
+    assert isinstance(ckv, fa.layers.ContextKV) and ckv.key.shape == (B, S, 2, D // N)
+
+    @jax.jit
+    def step(cache, ckv, x_t, pos_t, seg_t):
+        a, cache = self_layer.apply(p_self, x_t, pos_t, seg_t, cache=cache)
+        h = x_t + a
+        return h + cross.apply(p_cross, h, pos_t, seg_t, context=ckv), cache
+
+    cache = self_layer.init_cache(B, T, dtype=jnp.float64)
+    outs = []
+    for t in range(T):
+        out, cache = step(cache, ckv, x[:, t:t + 1], positions[:, t:t + 1], segments[:, t:t + 1])
+        outs.append(out)
+    assert_close(jnp.concatenate(outs, axis=1), full_pass(x), np.float64, "decoded with a ContextKV vs full pass")

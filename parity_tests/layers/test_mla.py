@@ -1,7 +1,8 @@
 """Multi-head latent attention (flax_attn.layers.mla): parity with torch_ref.mla (outputs and
 gradients to the input and every parameter, float64 and float32), the absorbed form equal to
 the plain one, the latent cache (prefill + steps equal the full pass, one compilation, memory
-per token, loud overflow), PyTorch weights with Hugging Face names, and errors."""
+per token, loud overflow, positions going forward and truncate), the NNX twin, PyTorch weights with
+Hugging Face names, and errors."""
 import dataclasses
 import math
 
@@ -160,6 +161,57 @@ def test_cache_overflow_is_a_clear_error():
         cache.update(*latents)
     with pytest.raises(ValueError, match="2 new tokens do not fit a latent cache of max_len=1"):
         config.init_cache(2, 1).update(*latents)
+
+
+def test_cache_positions_go_forward_and_truncate_rolls_back():
+    # As KVCache: a row's new positions must come after its cached ones (eagerly and under jit);
+    # truncate(length) empties the later slots, after which the rewound token is accepted and
+    # gives the full pass's output again.
+    config = MLAConfig(**BASE, q_lora_rank=6)
+    layer, params = MultiHeadLatentAttention(config), params_of(config)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 4, D)), jnp.float32)
+    step = jax.jit(lambda c, a, p: layer.apply(params, a, p, cache=c))
+    full = jax.jit(layer.apply)(params, x, jnp.arange(4)[None])
+    _, cache = step(config.init_cache(1, 4), x[:, :3], jnp.arange(3)[None])
+    message = r"latent KV cache positions go backwards: new positions \(smallest per row \[1\]\) must come after"
+    with pytest.raises(Exception, match=message):  # when the compiled program runs
+        jax.block_until_ready(step(cache, x[:, 1:2], jnp.array([[1]])))
+    with pytest.raises(ValueError, match=message):  # eagerly
+        cache.update(jnp.zeros((1, 1, 8)), jnp.zeros((1, 1, 4)), jnp.array([[1]]), jnp.array([[0]]))
+    rewound = jax.jit(lambda c: c.truncate(1))(cache)
+    assert int(rewound.length) == 1
+    np.testing.assert_array_equal(np.asarray(rewound.segment_ids), [[0, -1, -1, -1]])
+    np.testing.assert_array_equal(np.asarray(rewound.c_kv[:, 1:]), 0.0)
+    out, rewound = step(rewound, x[:, 1:2], jnp.array([[1]]))
+    assert_close(out, full[:, 1:2], np.float32, "step after truncate vs full pass")
+    assert int(rewound.length) == 2
+    with pytest.raises(ValueError, match=r"truncate\(length=3\): length must lie in \[0, 2\]"):
+        rewound.truncate(3)
+    with pytest.raises(TypeError, match="length must be an integer scalar"):
+        rewound.truncate(1.0)
+
+
+def test_nnx_twin_equals_linen():
+    # The NNX twin holds the same params (by from_linen) and runs the same stage: outputs and a
+    # cached step equal the Linen layer's; to_linen gives the params back; nnx_twin finds it.
+    from flax import nnx
+    from flax_attn.nnx.mla import MultiHeadLatentAttention as NNXMLA
+    config = MLAConfig(**BASE, q_lora_rank=6, attention_bias=True)
+    linen, variables = MultiHeadLatentAttention(config), params_of(config)
+    twin = fa.nnx.from_linen(linen, variables, rngs=nnx.Rngs(0))
+    assert isinstance(twin, NNXMLA) and fa.nnx.nnx_class_of(linen) is NNXMLA
+    x, positions = inputs(B=1, T=3)
+    x = jnp.asarray(x, jnp.float32)
+    step = jax.jit(lambda c, a, p: linen.apply(variables, a, p, cache=c))
+    nnx_step = nnx.jit(lambda m, c, a, p: m(a, p, cache=c))
+    want, want_cache = step(linen.init_cache(1, 4), x, positions)
+    got, got_cache = nnx_step(twin, twin.init_cache(1, 4), x, positions)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_cache.c_kv, want_cache.c_kv)
+    back = fa.nnx.to_linen(twin)["params"]
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, back, variables["params"]))
+    with pytest.raises(TypeError, match="config must be a flax_attn.layers.mla.MLAConfig"):
+        NNXMLA(fa.AttentionConfig(d_model=8, num_heads=2), rngs=nnx.Rngs(0))
 
 
 # ----------------------------------------------------------------------------- weights

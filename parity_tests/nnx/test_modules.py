@@ -207,6 +207,24 @@ def test_attention_cross_attention_nnx_equals_linen():
                  jax.jit(linen.apply)(variables, x, context=context), np.float64, "cross-attention")
 
 
+
+def test_context_kv_nnx_equals_linen_and_the_raw_context():
+    # Cross-attention keys and values made once by the NNX layer (nnx.jit) equal the Linen
+    # layer's; passed as context= they give the raw context's result, in both.
+    config = fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2, causal=False, qk_norm=True)
+    linen = fa.Attention(config, param_dtype=jnp.float64)
+    r = np.random.default_rng(6)
+    x, context = _floats(r, (2, 3, D), jnp.float64), _floats(r, (2, 5, D), jnp.float64)
+    positions, c_positions = jnp.arange(3), jnp.arange(5)
+    variables = jax.jit(linen.init)(jax.random.key(0), x, positions, None, context, c_positions)
+    model = fnnx.from_linen(linen, variables)
+    ckv = nnx.jit(lambda m, c, p: m.context_kv(c, p))(model, context, c_positions)
+    ckv_linen = jax.jit(lambda v, c, p: linen.apply(v, c, p, method="context_kv"))(variables, context, c_positions)
+    _assert_same(ckv, ckv_linen, np.float64, "ContextKV")
+    raw = jax.jit(lambda v, x: linen.apply(v, x, positions, None, context, c_positions))(variables, x)
+    _assert_same(nnx.jit(lambda m, x, c: m(x, positions, context=c))(model, x, ckv), raw, np.float64,
+                 "NNX with a ContextKV vs Linen with the raw context")
+
 # ---------------------------------------------------------------- dropout, the NNX way
 
 def _dropout_attention():
