@@ -83,6 +83,7 @@ KILLED_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(directory)], stdout=subprocess.PIPE,
@@ -309,6 +310,7 @@ CONCURRENT_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_saving_into_one_directory_lose_nothing_reported_saved(tmp_path):
     directory = tmp_path / "ckpt"
     writers = [subprocess.Popen([sys.executable, "-c", CONCURRENT_WRITER, str(directory), str(who),

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -24,6 +26,7 @@ def test_flax_attn_does_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
+@pytest.mark.slow
 def test_readme_usage_snippet_runs():
     import torch
     import torch_ref

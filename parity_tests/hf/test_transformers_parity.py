@@ -456,18 +456,21 @@ LEFT_PADDED = np.array([[0, 0, 1, 1, 1, 1],
                         [1, 1, 1, 1, 1, 1]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(SPECS))
 def test_full_pass(family):
     err = compare(family, FULL)
     assert err <= _tolerance(family), f"{family}: {err:.3e} (float32 step: {FLOAT32_STEPS.get(family)})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(SPECS))
 def test_padded_batch(family):
     err = compare(family, PADDED)
     assert err <= _tolerance(family), f"{family}: {err:.3e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(SPECS))
 def test_prefill_and_decode(family):
     err = compare(family, LEFT_PADDED, steps=T - PROMPT)
