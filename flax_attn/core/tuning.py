@@ -7,14 +7,16 @@ and, in the input dtype, the tile's queries, keys and values:
 
     work(bq, bk) = 4 (2 bq bk + bq Hv) + itemsize (bq H + bk H + bk Hv)   bytes.
 
-The rule: the largest square tile among 512, 256, 128, 64 whose working set fits in the
+The rule: the largest square tile among 512, 256, 128, 64 whose working set fits in half the
 per-core L2 cache (the level a core keeps to itself on current x86 and Arm server CPUs), so
-that the exponentials and the two matmuls of a step reuse it from there. On a 1 MiB L2 with
-64-dim float32 heads this gives 256 x 256 (768 KiB; 512 x 512 would need 2.5 MiB). On a 2-core
-AVX-512 CPU (64-dim heads, causal, batch 8 x 1024 and 8 x 4096 tokens) 256 x 256 was within 12%
-of the fastest forward and forward+backward of the block sizes tried; on a 2-core AMD EPYC
-(1 MiB L2 per core) 128 x 128, 128 x 256, 512 x 256 and 256 x 512 were not faster than
-256 x 256. Where the cache size cannot be read (not Linux, or no sysfs), 1 MiB is assumed.
+that the exponentials and the two matmuls of a step reuse it from there while the other half
+holds what the step reads besides (the derivative's step has three tiles of logits, weights and
+their tangents, and seven blocks of rows). On a 1 MiB L2 with 64-dim float32 heads this gives
+128 x 128 (256 KiB; 256 x 256 would need 768 KiB). On a 2-core AMD EPYC (1 MiB L2 per core,
+64-dim heads, causal) 128 x 128 took 10% less CPU time than 256 x 256 forward at 8 x 1024
+tokens in 12 heads and 19% less at 1 x 4096 tokens in 8 heads; forward+backward took the same
+within 6% either way. Where the cache size cannot be read (not Linux, or no sysfs), 1 MiB is
+assumed.
 
 The result depends only on the machine and the head dims, so that a program traced twice on
 one machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` to override.
@@ -62,7 +64,7 @@ def working_set_bytes(bq: int, bk: int, H: int, Hv: int, itemsize: int) -> int:
 
 def block_sizes(H: int, Hv: int, itemsize: int, cache_bytes: Optional[int] = None) -> tuple:
     """``(block_q, block_k)``: the largest square tile of :data:`TILES` whose working set fits
-    in ``cache_bytes`` (default: :func:`l2_cache_bytes`); the smallest tile if none does.
+    in ``cache_bytes`` (default: half of :func:`l2_cache_bytes`); the smallest tile if none does.
 
     Args:
       H: query/key head dim. Hv: value head dim. itemsize: bytes per input element.
@@ -71,7 +73,7 @@ def block_sizes(H: int, Hv: int, itemsize: int, cache_bytes: Optional[int] = Non
     Returns:
       ``(block_q, block_k)``, equal.
     """
-    cache = l2_cache_bytes() if cache_bytes is None else cache_bytes
+    cache = l2_cache_bytes() // 2 if cache_bytes is None else cache_bytes
     for b in TILES:
         if working_set_bytes(b, b, H, Hv, itemsize) <= cache:
             return b, b

@@ -208,3 +208,48 @@ def test_block_sizes_fit_the_cache():
     assert tuning.block_sizes(64, 64, 4, cache_bytes=1024) == (64, 64)   # nothing fits: the smallest
     assert tuning.block_sizes(128, 128, 2, cache_bytes=1 << 20) == (256, 256)
     assert tuning.l2_cache_bytes() > 0
+    # by default half the L2 is spent on the tile: 128 x 128 (256 KiB) for 64-dim float32 heads on 1 MiB
+    tuning.l2_cache_bytes.cache_clear()
+    real = tuning.l2_cache_bytes
+    try:
+        tuning.l2_cache_bytes = lambda: 1 << 20
+        assert tuning.block_sizes(64, 64, 4) == (128, 128)
+        tuning.l2_cache_bytes = lambda: 2 << 20
+        assert tuning.block_sizes(64, 64, 4) == (256, 256)
+    finally:
+        tuning.l2_cache_bytes = real
+
+
+def test_power_of_two_scale_is_applied_to_the_queries_only_where_exact():
+    from flax_attn.core.blockwise import _exact_scale
+
+    assert _exact_scale(0.125, jnp.float32) and _exact_scale(0.125, jnp.bfloat16) and _exact_scale(2.0, jnp.float64)
+    assert not _exact_scale(0.125, jnp.float16)   # small float16 queries would lose bits
+    assert not _exact_scale(128 ** -0.5, jnp.float32) and not _exact_scale(-0.125, jnp.float32)
+    assert not _exact_scale(0.0, jnp.float32)
+
+
+def test_power_of_two_scale_gives_the_same_logits_bit_for_bit(monkeypatch):
+    # scale 1/8 folded into the queries against scale 1/8 applied to q.k: outputs, lse and
+    # gradients equal bit for bit
+    from flax_attn.core import blockwise
+
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 8)) * 4, jnp.float32) for _ in range(3))
+
+    def run(q, k, v):
+        out, lse = fa.dot_product_attention(q, k, v, scale=0.125, is_causal=True, return_residual=True,
+                                            implementation=Blockwise(block_q=16, block_k=16))
+        return out, lse
+
+    def loss(q, k, v):
+        out, lse = run(q, k, v)
+        return jnp.sum(out * v[:, :, :, ::-1]), (out, lse)
+
+    both = lambda: jax.tree_util.tree_leaves(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v))
+    folded = both()
+    monkeypatch.setattr(blockwise, "_exact_scale", lambda scale, dtype: False)
+    unfolded = both()
+    assert len(folded) == 6
+    for a, b in zip(folded, unfolded):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
