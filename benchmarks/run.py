@@ -151,8 +151,10 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
         bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
         contenders[label] = (lambda: fwd(params, x), lambda: bwd(params, x))
 
-    impls = ["xla", "blockwise"] + (["cudnn"] if gpu else []) + [None]
-    for impl in impls:
+    impls, declined = layer_implementations(B, T, N, D // N, jdtype, jax.default_backend())
+    for name, reason in declined.items():
+        print(f"  flax_attn MultiHeadAttention ({name}): not timed, it does not support {reason}")
+    for impl in impls + [None]:
         label = f"flax_attn MultiHeadAttention ({impl or 'auto: ' + _auto_choice(B, T, N, D // N, jdtype)})"
         mha = fa.MultiHeadAttention(D, D, T, 0.0, N, param_dtype=jdtype, implementation=impl)
         jax_contender(_Deterministic(mha), label)
@@ -237,16 +239,39 @@ class _SeparateProjections(_Deterministic):
         return dense(p["out_proj"], ctx.reshape(b, t, m.d_out), m.precision)
 
 
-def _auto_choice(B, T, N, H, dtype) -> str:
-    """The implementation the automatic choice takes for this causal self-attention call."""
+def _layer_call(B, T, N, H, dtype, platform=None):
+    """The description of the layer's causal self-attention call (shapes only)."""
     import jax
 
-    from flax_attn.core import registry
     from flax_attn.core.call import describe
 
     q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
-    call = describe(q, q, q, is_causal=True)
-    return registry.choose(call).name
+    return describe(q, q, q, is_causal=True, platform=platform)
+
+
+def _auto_choice(B, T, N, H, dtype) -> str:
+    """The implementation the automatic choice takes for this causal self-attention call."""
+    from flax_attn.core import registry
+
+    return registry.choose(_layer_call(B, T, N, H, dtype)).name
+
+
+def layer_implementations(B, T, N, H, dtype, platform: str) -> tuple[list, dict]:
+    """Every registered implementation that runs on ``platform`` ('cpu', 'gpu', 'tpu'), split
+    into those that serve the layer's causal self-attention call (timed, by name) and those
+    that decline it (name -> the reason they give), e.g. the decode kernel, which takes one
+    query per call."""
+    from flax_attn.core import registry
+
+    call = _layer_call(B, T, N, H, dtype, platform)
+    served, declined = [], {}
+    for impl in registry.available(platform):
+        reason = impl.supports(call)
+        if reason is None:
+            served.append(impl.name)
+        else:
+            declined[impl.name] = reason
+    return served, declined
 
 
 # --------------------------------------------------------------------------- 2. length sweep

@@ -219,20 +219,28 @@ class KVCache:
         if self.rolling:
             raise ValueError("a rolling cache cannot be truncated: its slots are overwritten in a ring, so the "
                              "first tokens are gone; keep a linear cache (rolling=False) to roll back")
-        if isinstance(length, bool) or not (isinstance(length, (int, np.integer)) or (
-                hasattr(length, "dtype") and jnp.issubdtype(length.dtype, jnp.integer) and jnp.ndim(length) == 0)):
-            raise TypeError(f"truncate(length): length must be an integer scalar, got {length!r}")
-        length = jnp.asarray(length, jnp.int32)
-        _checks.runtime_check((length >= 0) & (length <= self.length),
-                     "truncate(length={length}): length must lie in [0, {cached}], the tokens cached",
-                     length=length, cached=self.length)
-        keep = jnp.arange(self.max_len) < length
+        return truncate_slots(self, length, key=0, value=0, positions=0, segment_ids=-1)
 
-        def empty(buf, fill):  # slots are axis 1 of every array
-            return jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf, jnp.asarray(fill, buf.dtype))
 
-        return self.replace(key=empty(self.key, 0), value=empty(self.value, 0), positions=empty(self.positions, 0),
-                            segment_ids=empty(self.segment_ids, -1), length=length)
+def truncate_slots(cache, length, **fills):
+    """``cache`` holding only its first ``length`` tokens: each array named in ``fills`` (its
+    slots on axis 1) set to its fill value beyond them, ``cache.length`` to ``length``. The
+    ``truncate`` of :class:`KVCache` and of the latent cache. ``length``: an int or an int32
+    scalar (traced under ``jax.jit``) in ``[0, cache.length]`` (``ValueError`` otherwise, at run
+    time under ``jax.jit``)."""
+    if isinstance(length, bool) or not (isinstance(length, (int, np.integer)) or (
+            hasattr(length, "dtype") and jnp.issubdtype(length.dtype, jnp.integer) and jnp.ndim(length) == 0)):
+        raise TypeError(f"truncate(length): length must be an integer scalar, got {length!r}")
+    length = jnp.asarray(length, jnp.int32)
+    _checks.runtime_check((length >= 0) & (length <= cache.length),
+                          "truncate(length={length}): length must lie in [0, {cached}], the tokens cached",
+                          length=length, cached=cache.length)
+    keep = jnp.arange(cache.max_len) < length
+
+    def empty(buf, fill):
+        return jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf, jnp.asarray(fill, buf.dtype))
+
+    return cache.replace(length=length, **{name: empty(getattr(cache, name), fill) for name, fill in fills.items()})
 
 
 @flax.struct.dataclass

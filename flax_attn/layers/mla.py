@@ -60,6 +60,7 @@ import numpy as np
 
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
+from flax_attn.layers.cache import truncate_slots
 from flax_attn.layers.common import (check_floating, declare, declared, dense, dropout_rng, linear_params,
                                      rms_norm, scale_params)
 from flax_attn.positional import rope as rope_lib
@@ -235,20 +236,7 @@ class LatentKVCache:
         zero, segment ids -1): the explicit way to roll back (rewind rejected draft tokens).
         ``length``: an int or int32 scalar (traced under ``jax.jit``), ``0 <= length <=
         self.length`` (``ValueError`` otherwise, at run time under ``jax.jit``)."""
-        if isinstance(length, bool) or not (isinstance(length, (int, np.integer)) or (
-                hasattr(length, "dtype") and jnp.issubdtype(length.dtype, jnp.integer) and jnp.ndim(length) == 0)):
-            raise TypeError(f"truncate(length): length must be an integer scalar, got {length!r}")
-        length = jnp.asarray(length, jnp.int32)
-        _checks.runtime_check((length >= 0) & (length <= self.length),
-                              "truncate(length={length}): length must lie in [0, {cached}], the tokens cached",
-                              length=length, cached=self.length)
-        keep = jnp.arange(self.max_len) < length
-
-        def empty(buf, fill):  # slots are axis 1 of every array
-            return jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf, jnp.asarray(fill, buf.dtype))
-
-        return self.replace(c_kv=empty(self.c_kv, 0), k_pe=empty(self.k_pe, 0), positions=empty(self.positions, 0),
-                            segment_ids=empty(self.segment_ids, -1), length=length)
+        return truncate_slots(self, length, c_kv=0, k_pe=0, positions=0, segment_ids=-1)
 
 
 def mla_params(config: MLAConfig) -> dict:
