@@ -54,6 +54,10 @@ def machine() -> dict:
     import jax
     import torch
 
+    if jax.default_backend() not in ("cpu", "gpu"):
+        sys.exit(f"JAX runs on '{jax.default_backend()}': this suite compares with PyTorch on the same device, "
+                 f"CPU or CUDA GPU only; time flax_attn's implementations there with "
+                 f"benchmarks.run.layer_implementations and time_in_turns")
     gpu = jax.default_backend() == "gpu"
     if gpu and not torch.cuda.is_available():
         sys.exit("JAX runs on a GPU but this torch has no CUDA: install a CUDA build of torch so that both "
