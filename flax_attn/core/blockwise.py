@@ -123,8 +123,21 @@ class Blockwise(Implementation):
         return Result(out=out, lse=lse)
 
 
+class BlockedLengths:
+    """For a dataclass with lengths ``T``, ``S`` and blocks ``bq``, ``bk``: the lengths padded to
+    whole blocks, ``Tp`` and ``Sp`` (the blockwise path's and the ring's)."""
+
+    @property
+    def Tp(self):
+        return -(-self.T // self.bq) * self.bq
+
+    @property
+    def Sp(self):
+        return -(-self.S // self.bk) * self.bk
+
+
 @dataclasses.dataclass(frozen=True)
-class _Spec:
+class _Spec(BlockedLengths):
     """Static facts of one blockwise call."""
 
     scale: float
@@ -147,14 +160,6 @@ class _Spec:
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
                    _divisor(call.B, call.K, impl.unit_chunk),
                    tuning.cpu_cores() if impl.streams is None else impl.streams)
-
-    @property
-    def Tp(self):
-        return -(-self.T // self.bq) * self.bq
-
-    @property
-    def Sp(self):
-        return -(-self.S // self.bk) * self.bk
 
 
 def _exact_scale(scale: float, dtype) -> bool:

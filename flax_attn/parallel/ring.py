@@ -51,6 +51,7 @@ from flax_attn import _checks
 from flax_attn.core import mask as mask_lib
 from flax_attn.core import numerics
 from flax_attn.core.attention import dot_product_attention
+from flax_attn.core.blockwise import BlockedLengths
 from flax_attn.core.mask import EMPTY, FULL, PARTIAL, Mask
 from flax_attn.core.registry import Implementation, Result
 
@@ -276,7 +277,7 @@ def token_metadata(call) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class _Config(BlockedLengths):
     """Static facts of one context-parallel call (hashable: a custom_vjp's static argument)."""
 
     mesh: Any
@@ -336,14 +337,6 @@ class _Config:
             else:
                 specs[name] = self.rows()
         return specs
-
-    @property
-    def Tp(self):
-        return -(-self.T // self.bq) * self.bq
-
-    @property
-    def Sp(self):
-        return -(-self.S // self.bk) * self.bk
 
 
 def _shard_map(cfg, f, in_specs, out_specs, check_vma=False):

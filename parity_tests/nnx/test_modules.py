@@ -143,10 +143,12 @@ def test_nnx_equals_linen_outputs_and_gradients(name, dtype):
     print(f"{name} {np.dtype(dtype).name}: eager {eager:.1e}, jit {jit:.1e}, gradients {grads:.1e}")
 
 
-CACHE_CONFIGS = {"gqa-rope-window": {"num_kv_heads": 2, "sliding_window": 4, "qk_norm": True},
-                 "t5": {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 6},
-                 "sinks-per-head-norm": {"num_kv_heads": 2, "sliding_window": 4, "sinks": True, "qk_norm": True,
-                                         "qk_norm_scope": "per_head", "qk_norm_zero_centered": True}}
+# The Linen layer and its twin share attention_forward: what can differ is how parameters and
+# the cache travel, so one config with every parameter kind of a RoPE layer, and T5's table.
+CACHE_CONFIGS = {"gqa-rope-window-sinks-per-head-norm": {"num_kv_heads": 2, "sliding_window": 4, "sinks": True,
+                                                         "qk_norm": True, "qk_norm_scope": "per_head",
+                                                         "qk_norm_zero_centered": True},
+                 "t5": {"position": "t5", "t5_num_buckets": 8, "t5_max_distance": 6}}
 
 
 @pytest.mark.parametrize("name", sorted(CACHE_CONFIGS))
