@@ -454,20 +454,22 @@ def decoding(prefix: int, steps: int, repeats: int, gpu: bool) -> dict:
 
 # --------------------------------------------------------------------------- peak, report
 
-def matmul_peak_tflops(gpu: bool) -> dict:
+def matmul_peak_tflops(gpu: bool, smoke: bool = False) -> dict:
     """The machine's dense matmul rate in each framework, measured now in turns (bf16 8192^3 on
-    GPU, f32 4096^3 on CPU): ``{'jax': TFLOP/s, 'torch': TFLOP/s}``."""
+    GPU, f32 4096^3 on CPU; 1024^3 once with ``smoke``): ``{'jax': TFLOP/s, 'torch': TFLOP/s}``."""
     import jax
     import jax.numpy as jnp
     import torch
 
     n, dtype, tdtype = (8192, jnp.bfloat16, torch.bfloat16) if gpu else (4096, jnp.float32, torch.float32)
+    n = 1024 if smoke else n
     rng = np.random.default_rng(0)
     host = [rng.standard_normal((n, n)).astype(np.float32) for _ in range(2)]
     a, b = (jnp.asarray(h, dtype) for h in host)
     ta, tb = (torch.from_numpy(h).to(device="cuda" if gpu else "cpu", dtype=tdtype) for h in host)
     f = jax.jit(lambda a, b: a @ b)
-    t = time_in_turns({"jax": lambda: f(a, b), "torch": lambda: ta @ tb}, repeats=5)
+    t = time_in_turns({"jax": lambda: f(a, b), "torch": lambda: ta @ tb}, repeats=1 if smoke else 5,
+                      warmup=1 if smoke else 2)
     return {name: 2 * n ** 3 / seconds / 1e12 for name, seconds in t.items()}
 
 
@@ -578,7 +580,7 @@ def main(argv=None) -> None:
     impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
     print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']})", flush=True)
     results = {"machine": info, "gpt2_layer_config": layer_cfg}
-    peaks = matmul_peak_tflops(gpu)
+    peaks = matmul_peak_tflops(gpu, smoke=args.smoke)
     results["matmul_peak_tflops"] = peaks["jax"]           # JAX's, the ceiling of the JAX figures
     results["matmul_peak_tflops_by_framework"] = peaks
     parts = [p for p in args.parts.split(",") if p]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import flax_attn as fa
 from flax_attn.core import Blockwise
 
-SETTINGS = settings(max_examples=15, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=10, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

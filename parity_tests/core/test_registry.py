@@ -180,16 +180,16 @@ def test_a_toy_implementation_registers_serves_and_leaves(toy):
     k, v = (jnp.asarray(rng.standard_normal((2, 17, 2, 8))) for _ in range(2))
     bias = jnp.asarray(rng.standard_normal((1, 4, 1, 17)))
     kw = dict(is_causal=True, local_window_size=(6, 0), key_value_seq_lengths=jnp.array([17, 9]))
-    f = lambda impl: (lambda q, k, v, b: fa.dot_product_attention(q, k, v, b, implementation=impl,
-                                                                  return_residual=True, **kw))
+    f = lambda impl: jax.jit(lambda q, k, v, b: fa.dot_product_attention(q, k, v, b, implementation=impl,
+                                                                          return_residual=True, **kw))
     (out, lse), (ref, ref_lse) = f("toy-chunked")(q, k, v, bias), f("xla")(q, k, v, bias)
     assert max_rel_error(out, ref) <= 1e-12
     empty = np.isneginf(ref_lse)  # queries that see nothing (keys past length 9 in row 1)
     assert empty.any() and (np.isneginf(lse) == empty).all()
     assert max_rel_error(jnp.where(empty, 0, lse), jnp.where(empty, 0, ref_lse)) <= 1e-12
     loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a)[0])))
-    for g, rg in zip(jax.grad(loss(toy), argnums=(0, 1, 2, 3))(q, k, v, bias),
-                     jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, bias)):
+    for g, rg in zip(jax.jit(jax.grad(loss(toy), argnums=(0, 1, 2, 3)))(q, k, v, bias),
+                     jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2, 3)))(q, k, v, bias)):
         assert max_rel_error(g, rg) <= 1e-12
     assert _chosen() == "blockwise"  # not preferred: the automatic choice is unchanged
     with pytest.raises(ValueError, match="implementation='toy-chunked' does not support dropout"):
