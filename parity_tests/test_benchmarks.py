@@ -14,10 +14,10 @@ SHAPE = (8, 1024, 12, 64)  # B, T, N, H of the GPT-2-small layer
 
 
 @pytest.mark.parametrize("platform, dtype, timed, declined", [
-    ("cpu", jnp.float32, {"xla", "blockwise"}, set()),
-    ("gpu", jnp.bfloat16, {"xla", "blockwise", "cudnn", "pallas_triton"}, {"pallas_decode"}),
-    ("gpu", jnp.float32, {"xla", "blockwise"}, {"cudnn", "pallas_triton", "pallas_decode"}),
-    ("tpu", jnp.bfloat16, {"xla", "blockwise", "splash"}, set()),
+    ("cpu", jnp.float32, {"xla", "query_blocks", "blockwise"}, set()),
+    ("gpu", jnp.bfloat16, {"xla", "query_blocks", "blockwise", "cudnn", "pallas_triton"}, {"pallas_decode"}),
+    ("gpu", jnp.float32, {"xla", "query_blocks", "blockwise"}, {"cudnn", "pallas_triton", "pallas_decode"}),
+    ("tpu", jnp.bfloat16, {"xla", "query_blocks", "blockwise", "splash"}, set()),
 ])
 def test_layer_benchmark_times_every_implementation_that_serves_the_call(platform, dtype, timed, declined):
     served, reasons = layer_implementations(*SHAPE, dtype, platform)

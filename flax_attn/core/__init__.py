@@ -5,7 +5,9 @@
 * :mod:`~flax_attn.core.numerics`: the logit pipeline, grouped-query fold, masked softmax, dropout;
 * :mod:`~flax_attn.core.registry`: implementations and the automatic choice;
 * one file per implementation: :mod:`~flax_attn.core.xla` (plain, serves everything),
-  :mod:`~flax_attn.core.blockwise` (flash-style, linear memory), :mod:`~flax_attn.core.cudnn`,
+  :mod:`~flax_attn.core.blockwise` (flash-style, linear memory), :mod:`~flax_attn.core.query_blocks`
+  (blocks of queries against their whole key range; the CPU choice at moderate lengths),
+  :mod:`~flax_attn.core.cudnn`,
   and JAX's Pallas kernels in :mod:`~flax_attn.core.pallas` (splash, pallas_triton, pallas_decode);
 * :mod:`~flax_attn.core.attention`: :func:`dot_product_attention`.
 """
@@ -17,6 +19,7 @@ from flax_attn.core.cudnn import CuDNN
 from flax_attn.core.mask import Mask
 from flax_attn.core.numerics import dropout, masked_softmax
 from flax_attn.core.pallas import PallasDecode, PallasTriton, Splash
+from flax_attn.core.query_blocks import QueryBlocks
 from flax_attn.core.registry import Implementation, Result
 from flax_attn.core.xla import XLA
 
@@ -28,6 +31,8 @@ registry.register(Blockwise())
 registry.register(PallasDecode(), before="cudnn")
 registry.register(Splash(), before="blockwise")
 registry.register(PallasTriton(), before="blockwise")
+# On CPU: query blocks where their key ranges are known at trace time and the unrolled program stays small
+registry.register(QueryBlocks(), before="blockwise")
 
-__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "Mask", "PallasDecode", "PallasTriton", "Result", "Splash",
+__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "Mask", "PallasDecode", "PallasTriton", "QueryBlocks", "Result", "Splash",
            "XLA", "dot_product_attention", "dropout", "mask", "masked_softmax", "registry"]

@@ -98,7 +98,7 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
       is_causal: a query at index t may attend to keys at index <= t (Flax NNX's convention,
         aligned to the start); computed from positions, never a T x S array.
       implementation: passed to :func:`flax_attn.dot_product_attention` (keyword only; bind it
-        with ``functools.partial``); None chooses (blockwise on CPU from 128 tokens).
+        with ``functools.partial``); None chooses (on CPU from 128 tokens: query blocks or blockwise).
 
     Returns:
       ``[batch..., T, N, Hv]`` in ``dtype``.
@@ -141,7 +141,7 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
     mask4 = _fold_batch("mask", mask, batch, layout, 3)
     bias4 = _fold_batch("bias", bias, batch, layout, 3)
     positions = {}
-    if is_causal:  # Flax NNX's tril(ones(T, S)): query t sees keys 0..t
+    if is_causal and T != S:  # Flax NNX's tril(ones(T, S)): query t sees keys 0..t (T == S: the default)
         positions = dict(query_positions=jnp.arange(T, dtype=jnp.int32), key_positions=jnp.arange(S, dtype=jnp.int32))
     _checks.check_rate("dropout_rate", dropout_rate)
     dropout_on = (not deterministic) and dropout_rate > 0.0

@@ -1,8 +1,8 @@
 """Conformance: every attention implementation that runs here, held to one float64 reference.
 
-Each registered implementation available on this platform (on CPU: ``xla`` and ``blockwise``),
-plus the blockwise path with tiny blocks (7 x 6 everywhere, 8 x 4 in the feature cases, so
-that every block-skipping branch runs on small shapes) and JAX's Pallas kernels in interpret mode (section 7), is
+Each registered implementation available on this platform (on CPU: ``xla``, ``query_blocks``
+and ``blockwise``), plus the blockwise path with tiny blocks (7 x 6 everywhere, 8 x 4 in the
+feature cases, so that every block-skipping branch runs on small shapes), the query blocks of 7 and JAX's Pallas kernels in interpret mode (section 7), is
 compared with :func:`reference`, a dense and obviously correct attention written below in
 float64 from the documented rules: outputs and gradients with respect to query, key, value and
 bias, by max relative error ``max|a - b| / max|b|``.
@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
-from flax_attn.core import Blockwise, PallasDecode, PallasTriton, Splash, registry
+from flax_attn.core import Blockwise, PallasDecode, PallasTriton, QueryBlocks, Splash, registry
 from flax_attn.core import mask as mask_lib
 
 # The function under test: the public entry point.
@@ -75,12 +75,15 @@ TINY_BLOCKS_FEATURES = (8, 4)
 def _implementations(tiny_blocks=(TINY_BLOCKS,)):
     """(id, implementation) for every registered implementation that runs on this platform
     (``registry.available()``), the blockwise path again with each of ``tiny_blocks``, and
-    each Pallas kernel in interpret mode."""
+    each Pallas kernel in interpret mode; the query blocks again with blocks of 7 (several blocks,
+    the last one short, on these shapes)."""
     found = [(impl.name, impl) for impl in registry.available()]
     for name, impl in list(found):
         if isinstance(impl, Blockwise):
             for bq, bk in tiny_blocks:
                 found.append((f"{name}-{bq}-{bk}", dataclasses.replace(impl, block_q=bq, block_k=bk)))
+        if isinstance(impl, QueryBlocks) and tiny_blocks == (TINY_BLOCKS,):
+            found.append((f"{name}-7", dataclasses.replace(impl, block_q=7)))
     return found + list(INTERPRETED)
 
 
@@ -100,7 +103,7 @@ FEATURE_IMPL_PARAMS = _params(FEATURE_IMPLS)
 
 
 # Serve every call of this suite (no dropout, no returned weights): a refusal is a failure.
-MUST_SERVE = ("xla", "blockwise")
+MUST_SERVE = ("xla", "blockwise", "query_blocks")
 
 
 def declined(impl, error) -> Optional[str]:
@@ -653,7 +656,7 @@ DEFECT_A_CASES = defect_a_cases()
 @pytest.mark.parametrize("impl", AUTO_AND_IMPLS)
 def test_defect_a_key_padding_mask_and_broadcast_bias_at_128(impl):
     """(a) Key-padding masks (B,1,1,S) and (S,), biases (B,1,1,S), (1,N,1,S), (B,1,T,1) at
-    T = S = 128, where the automatic choice on CPU is the blockwise path."""
+    T = S = 128, where the automatic choice on CPU leaves the plain path (for query blocks)."""
     assert_conforms(impl, DEFECT_A_CASES)
 
 
@@ -998,12 +1001,12 @@ def test_toy_implementation_registered_run_and_unregistered():
 
 
 def test_every_platform_implementation_is_under_test():
-    """The parametrisation covers the registry: on CPU, xla and blockwise (and tiny blocks), and
+    """The parametrisation covers the registry: on CPU, xla, query_blocks and blockwise (and tiny blocks), and
     every registered Pallas kernel in interpret mode on every platform."""
     names = [n for n, _ in IMPLS]
     assert "xla" in names
     if jax.default_backend() == "cpu":
-        assert {"xla", "blockwise", "blockwise-7-6"} <= set(names)
+        assert {"xla", "query_blocks", "query_blocks-7", "blockwise", "blockwise-7-6"} <= set(names)
         assert {n for n, _ in FEATURE_IMPLS} - set(names) == {"blockwise-8-4"}
     pallas = {impl.name for impl in registry.implementations() if hasattr(impl, "interpret")}
     assert pallas == {"splash", "pallas_triton", "pallas_decode"} == {i.name for _, i in INTERPRETED}

@@ -18,31 +18,37 @@ from torch_ref.compare import max_rel_error
 def _call(T=1024, S=1024, H=64, dtype=jnp.float32, platform="cpu", **kw):
     q = jax.ShapeDtypeStruct((2, T, 4, H), dtype)
     k = jax.ShapeDtypeStruct((2, S, 4, H), dtype)
-    return describe(q, k, k, is_causal=True, platform=platform, **kw)
+    return describe(q, k, k, platform=platform, **{"is_causal": True, **kw})
 
 
 def _chosen(**kw):
     return registry.choose(_call(**kw)).name
 
 
-NAMES = ["pallas_decode", "cudnn", "splash", "pallas_triton", "blockwise", "xla"]
+NAMES = ["pallas_decode", "cudnn", "splash", "pallas_triton", "query_blocks", "blockwise", "xla"]
 
 
 def test_registry_order_and_names():
     assert registry.names() == NAMES  # the plain path serves everything, last
     if jax.default_backend() == "cpu":
-        assert [i.name for i in registry.available()] == ["blockwise", "xla"]  # the kernels need GPU/TPU
+        assert [i.name for i in registry.available()] == ["query_blocks", "blockwise", "xla"]  # the kernels need GPU/TPU
 
 
 def test_automatic_choice_on_cpu():
-    assert _chosen() == "blockwise"
+    assert _chosen() == "query_blocks"             # 8 query blocks of 128, key ranges known at trace time
     assert _chosen(T=1, S=1024) == "xla"      # one decoding step
     assert _chosen(T=64, S=64) == "xla"       # below the measured crossover
-    assert _chosen(T=128, S=128) == "blockwise"
-    assert _chosen(dropout_rate=0.1, dropout_rng=jax.random.key(0)) == "xla"  # blockwise has no dropout
+    assert _chosen(T=128, S=128) == "query_blocks"
+    assert _chosen(T=2048, S=2048) == "query_blocks"      # 16 query blocks: the unrolled program's limit
+    assert _chosen(T=2049, S=2049) == "blockwise"
+    assert _chosen(dropout_rate=0.1, dropout_rng=jax.random.key(0)) == "xla"  # neither has dropout
     assert _chosen(return_weights=True) == "xla"
+    positions = np.tile(np.arange(1024, dtype=np.int32), (2, 1))
+    # positions as arrays: the key ranges are known only at run time, where blockwise skips blocks
+    assert _chosen(query_positions=positions, key_positions=positions) == "blockwise"
     assert _chosen(query_segment_ids=np.zeros((2, 1024), np.int32), key_segment_ids=np.zeros((2, 1024), np.int32),
-                   mask=np.ones((1024,), bool), logit_softcap=3.0) == "blockwise"
+                   mask=np.ones((1024,), bool), logit_softcap=3.0) == "query_blocks"
+    assert _chosen(is_causal=False, mask=np.ones((1024,), bool)) == "query_blocks"
 
 
 def test_automatic_choice_on_gpu():
@@ -114,6 +120,9 @@ def test_automatic_choice_falls_back_silently_and_named_ones_say_why():
         fa.dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="blockwise")
     with pytest.raises(ValueError, match=r"implementation='blockwise' does not support return_weights"):
         fa.dot_product_attention(q, k, v, return_weights=True, implementation="blockwise")
+    with pytest.raises(ValueError, match=r"implementation='query_blocks' does not support dropout"):
+        fa.dot_product_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                                 implementation="query_blocks")
     with pytest.raises(ValueError, match=r"implementation='cudnn' does not support the 'cpu' backend"):
         fa.dot_product_attention(q, k, v, implementation="cudnn")
     with pytest.raises(ValueError, match=r"implementation must be one of \[.*'blockwise', 'xla'\], got 'flash'"):
@@ -191,7 +200,7 @@ def test_a_toy_implementation_registers_serves_and_leaves(toy):
     for g, rg in zip(jax.jit(jax.grad(loss(toy), argnums=(0, 1, 2, 3)))(q, k, v, bias),
                      jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2, 3)))(q, k, v, bias)):
         assert max_rel_error(g, rg) <= 1e-12
-    assert _chosen() == "blockwise"  # not preferred: the automatic choice is unchanged
+    assert _chosen() == "query_blocks"  # not preferred: the automatic choice is unchanged
     with pytest.raises(ValueError, match="implementation='toy-chunked' does not support dropout"):
         fa.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), implementation=toy)
     with pytest.raises(ValueError, match="already registered"):

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx, traverse_util
 
 from conftest import DTYPES, TOL, assert_close
-from flax_attn.core import Blockwise, XLA
+from flax_attn.core import Blockwise, QueryBlocks, XLA
 from flax_attn.layers.flax_hook import flax_attention_fn
 
 B, F, HEADS = 2, 32, 4
@@ -26,7 +26,7 @@ VALID = np.array([13, 9])  # the second sequence is padded after 9 tokens
 def paths(monkeypatch):
     """Counts the implementations that ran (at trace time)."""
     ran = []
-    for cls in (Blockwise, XLA):
+    for cls in (Blockwise, QueryBlocks, XLA):
         original = cls.__call__
 
         def spy(self, *args, _original=original, _name=cls.name, **kwargs):
@@ -108,7 +108,7 @@ def test_linen_layer(T, kind, dtype, paths):
 
     (_, y_ref), (gp_ref, gx_ref) = run(flax_layer)
     (_, y), (gp, gx) = run(ours)
-    assert paths == ["blockwise" if T >= 128 else "xla"]  # the automatic choice: blockwise from 128 on CPU
+    assert paths == ["query_blocks" if T >= 128 else "xla"]  # the automatic choice on CPU
     assert y.dtype == y_ref.dtype == dtype
     errors = (assert_close(jnp.where(rows, y, 0), jnp.where(rows, y_ref, 0), dtype, "output"),
               assert_close(gx, gx_ref, dtype, "d loss / d x"), _check_tree(gp, gp_ref, dtype, "d loss / d"))
@@ -145,7 +145,7 @@ def test_nnx_layer(T, case, dtype, paths):
     (_, y_ref), (gp_ref, gx_ref) = run(flax_layer)
     (_, y), (gp, gx) = run(ours)
     if not sow:
-        assert paths == ["blockwise" if T >= 128 else "xla"]
+        assert paths == ["query_blocks" if T >= 128 else "xla"]
     assert y.dtype == dtype
     errors = (assert_close(y, y_ref, dtype, "output"), assert_close(gx, gx_ref, dtype, "d loss / d x"),
               _check_tree(nnx.to_pure_dict(gp), nnx.to_pure_dict(gp_ref), dtype, "d loss / d"))

@@ -1,0 +1,197 @@
+"""Query blocks: the queries cut into blocks, each block attending to all the keys it may see at
+once (one matmul, one softmax, one matmul), with no online softmax.
+
+For query block ``[q0, q0 + bq)`` the key range ``[k0, k1)`` that its rules allow is found at
+trace time when the mask description says it (causal, windows and chunks over default
+positions: keys at ``0..S-1``, queries at the last T of them); otherwise it is every key. The
+block's logits ``(C, G, bq, k1 - k0)`` are then computed for a chunk of C (batch row, key/value
+head) units together, masked by the mask description's dense tile of the block, and
+normalised in one pass, as in the plain path (:func:`flax_attn.core.numerics.softmax_parts`).
+The block loop is unrolled (static shapes: causal attention skips the blocks above the
+diagonal without branches) and the units run in chunks under ``lax.map``.
+
+**Why.** On CPU the work of a step must be large for XLA to spread it over the cores: a
+flash-style step on one 128 x 128 tile runs on one core. Here a step is one query block of C
+units against all its keys (``C * bq * S`` logits, bounded by ``chunk_bytes``), and the
+program has no loop-carried softmax state to rescale.
+
+**Memory and derivatives.** Each block is a ``jax.checkpoint``: reverse mode keeps only the
+block's inputs and recomputes its logits, so memory is linear in S for a given block (``C * bq
+* S`` logits at a time), not quadratic. Derivatives are JAX's own through ordinary operations:
+forward mode, reverse mode and every higher order work, with the plain path's accuracy at
+extreme logits.
+
+**Limits.** The program grows with the number of query blocks (unrolled), so the automatic
+choice takes it only up to ``max_blocks`` of them and only where the key ranges are known at
+trace time (with positions given as arrays, the blockwise path skips empty blocks at run time
+instead). Sequence lengths must be static.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flax_attn import _checks
+from flax_attn.core import numerics, tuning
+from flax_attn.core.blockwise import _divisor, _exact_scale
+from flax_attn.core.mask import FAR
+from flax_attn.core.registry import Implementation, Result
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryBlocks(Implementation):
+    """Attention by blocks of queries, each against its whole key range; no dropout, no
+    returned weights.
+
+    Fields are tuning knobs; every setting computes the same function.
+
+    Fields:
+      block_q: queries per block. None: the blockwise path's tile for this head size
+        (:func:`flax_attn.core.tuning.block_sizes`; 128 for 64-dim float32 heads on a 1 MiB L2).
+      chunk_bytes: the (batch row, key/value head) units of one step are as many as keep the
+        block's logits (``C * G * block_q * keys * 4`` bytes) within this, dividing the units.
+      min_length: the automatic choice takes it on CPU once T and S reach this ...
+      max_blocks: ... while T needs at most this many query blocks (the unrolled program grows
+        with them), and the key ranges are known at trace time.
+    """
+
+    name: str = "query_blocks"
+    block_q: Optional[int] = None
+    chunk_bytes: int = 4 << 20
+    min_length: int = 128
+    max_blocks: int = 16
+
+    def __post_init__(self):
+        if self.block_q is not None:
+            _checks.check_positive_int("QueryBlocks block_q", self.block_q)
+        _checks.check_positive_int("QueryBlocks chunk_bytes", self.chunk_bytes)
+
+    def supports(self, call) -> Optional[str]:
+        if call.dropout_rate > 0.0:
+            return "dropout (use implementation='xla' or None)"
+        if call.return_weights:
+            return "return_weights (use implementation='xla' or None)"
+        if not (isinstance(call.T, int) and isinstance(call.S, int)):
+            return "symbolic sequence lengths (use implementation='blockwise')"
+        return None
+
+    def preferred(self, call) -> bool:
+        mask = call.mask
+        static_ranges = not (mask.uses_positions or mask.chunk is not None) or (
+            mask.q_positions is None and mask.k_positions is None)
+        return (call.platform == "cpu" and min(call.T, call.S) >= self.min_length and static_ranges
+                and -(-call.T // self._block_q(call)) <= self.max_blocks)
+
+    def _block_q(self, call) -> int:
+        bq = tuning.block_sizes(call.H, call.Hv, jnp.dtype(call.dtype).itemsize)[0]
+        return min(call.T, bq if self.block_q is None else self.block_q)
+
+    def __call__(self, call, query, key, value, dropout_rng) -> Result:
+        B, T, N, H = query.shape
+        S, K, G = call.S, call.K, call.G
+        bq = self._block_q(call)
+        logits = _Logits(call.scale, call.softcap, call.precision, K, G)
+        if _exact_scale(call.scale, query.dtype):  # (scale q) . k is scale (q . k) bit for bit
+            query = query * jnp.asarray(call.scale, query.dtype)
+            logits = dataclasses.replace(logits, scale=1.0)
+        U = B * K
+        widest = max(k1 - k0 for _, _, k0, k1 in key_ranges(call.mask, T, S, bq))
+        chunk = _divisor(B, K, max(1, self.chunk_bytes // max(1, 4 * G * bq * widest)))
+        q = numerics.group_queries(query, K).reshape(U // chunk, chunk, G, T, H)
+        units = lambda x: jnp.swapaxes(x, 1, 2).reshape(U // chunk, chunk, S, x.shape[-1])
+        ids = jnp.arange(U, dtype=jnp.int32).reshape(U // chunk, chunk)
+        acc = call.acc_dtype
+        Hv = value.shape[-1]
+
+        def run_chunk(args):
+            u, qc, kc, vc = args
+            outs, lses = [], []
+            for q0, q1, k0, k1 in key_ranges(call.mask, T, S, bq):
+                if k1 <= k0:  # no key may be seen by this block
+                    outs.append(jnp.zeros((chunk, G, q1 - q0, Hv), acc))
+                    lses.append(jnp.full((chunk, G, q1 - q0), -jnp.inf, acc))
+                    continue
+                block = jax.checkpoint(functools.partial(_block, logits, call.mask, q0, q1 - q0, k0, k1 - k0))
+                out, lse = block(u, qc[:, :, q0:q1], kc[:, k0:k1], vc[:, k0:k1])
+                outs.append(out)
+                lses.append(lse)
+            return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
+
+        out, lse = lax.map(run_chunk, (ids, q, units(key), units(value)))
+        out = numerics.ungroup(out.reshape(B, K, G, T, Hv)).astype(query.dtype)
+        lse = numerics.ungroup(lse.reshape(B, K, G, T, 1))[..., 0] if call.return_residual else None
+        return Result(out=out, lse=lse)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Logits:
+    """What the logit pipeline needs (:func:`flax_attn.core.numerics.finish_logits`), and the
+    grouping of heads."""
+
+    scale: float
+    softcap: Optional[float]
+    precision: object
+    K: int
+    G: int
+
+
+_PER_UNIT = ("q_positions", "k_positions", "q_segments", "k_segments", "q_lengths", "kv_lengths", "dense")
+
+
+def key_ranges(mask, T: int, S: int, bq: int):
+    """``[(q0, q1, k0, k1)]``: each query block and the key range its rules allow, known at trace
+    time (every key unless causal, window or chunk rules hold over default positions)."""
+    lower, upper = mask.bounds
+    static = mask.q_positions is None and mask.k_positions is None
+    ranges = []
+    for q0 in range(0, T, bq):
+        q1 = min(T, q0 + bq)
+        k0, k1 = 0, S
+        if static and (mask.uses_positions or mask.chunk is not None):
+            p0, p1 = q0 + S - T, q1 - 1 + S - T  # the block's first and last query positions
+            if lower < FAR:
+                k0 = max(k0, p0 - lower)
+            if upper < FAR:
+                k1 = min(k1, p1 + upper + 1)
+            if mask.chunk is not None:
+                k0 = max(k0, (p0 // mask.chunk) * mask.chunk)
+                k1 = min(k1, (p1 // mask.chunk + 1) * mask.chunk)
+        ranges.append((q0, q1, k0, max(k0, k1)))
+    return ranges
+
+
+def _block(logits, mask, q0, bq, k0, bk, u, qi, kj, vj):
+    """One query block of C units against keys ``[k0, k0 + bk)``: out ``(C, G, bq, Hv)`` and the
+    log-sum-exp ``(C, G, bq)``."""
+    acc = jnp.promote_types(qi.dtype, jnp.float32)
+    C, G = qi.shape[:2]
+    # (C, G*bq) rows: one batched matmul with one free dimension per side, XLA's fastest form
+    raw = jnp.einsum("crh,ckh->crk", qi.reshape(C, G * bq, -1), kj, precision=logits.precision,
+                     preferred_element_type=acc).reshape(C, G, bq, bk)
+
+    where = lambda u: (u // logits.K, ((u % logits.K) * logits.G, logits.G))  # batch row, heads
+    if mask.bias is None and mask.score_mod is None:
+        s = numerics.finish_logits(logits, raw)
+    else:
+        def unit_logits(u, raw):
+            b, heads = where(u)
+            s = numerics.finish_logits(logits, raw, mask.block_bias(b, heads, q0, bq, k0, bk))
+            return mask.block_scores(s, b, heads, q0, bq, k0, bk)  # a user's score_mod, if any
+        s = jax.vmap(unit_logits)(u, raw)
+    allowed = None
+    if mask.has_rules:
+        if not mask.mask_mods and all(getattr(mask, f) is None for f in _PER_UNIT):
+            # causal, window and chunk rules over default positions: the same pairs for every unit
+            allowed = mask.block(0, (0, 1), q0, bq, k0, bk)
+        else:
+            allowed = jax.vmap(lambda u: mask.block(*where(u), q0, bq, k0, bk))(u)
+        allowed = jnp.broadcast_to(allowed, s.shape)
+    weights, lse = numerics.softmax_parts(s, allowed)
+    out = jnp.einsum("crk,ckh->crh", weights.astype(vj.dtype).reshape(C, G * bq, bk), vj,
+                     precision=logits.precision, preferred_element_type=acc)
+    return out.reshape(C, G, bq, -1), lse
