@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -51,7 +50,7 @@ from jax import lax
 from flax_attn import _checks
 from flax_attn.core import numerics, tuning
 from flax_attn.core.mask import EMPTY, FULL, PARTIAL
-from flax_attn.core.registry import Implementation, Result
+from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +91,7 @@ class Blockwise(Implementation):
             _checks.check_positive_int("Blockwise streams", self.streams)
 
     def supports(self, call) -> Optional[str]:
-        if call.dropout_rate > 0.0:
-            return "dropout (use implementation='xla' or None)"
-        if call.return_weights:
-            return "return_weights (use implementation='xla' or None)"
-        return None
+        return refuses_dropout_and_weights(call)
 
     def preferred(self, call) -> bool:
         # Measured on a 2-core AVX-512 CPU (causal, 64-dim heads), forward / forward+backward
@@ -108,7 +103,7 @@ class Blockwise(Implementation):
     def __call__(self, call, query, key, value, dropout_rng) -> Result:
         spec = _Spec.of(call, self)
         mask = call.mask.padded(spec.Tp, spec.Sp)
-        if _exact_scale(spec.scale, query.dtype):
+        if numerics.scale_is_exact(spec.scale, query.dtype):
             # (scale q) . k is scale (q . k) bit for bit: the blocks then skip one pass over their logits
             query = query * jnp.asarray(spec.scale, query.dtype)
             spec = dataclasses.replace(spec, scale=1.0)
@@ -158,23 +153,8 @@ class _Spec(BlockedLengths):
         bq = min(call.T, tq if impl.block_q is None else impl.block_q)
         bk = min(call.S, tk if impl.block_k is None else impl.block_k)
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
-                   _divisor(call.B, call.K, impl.unit_chunk),
+                   tuning.unit_chunk(call.B, call.K, impl.unit_chunk),
                    tuning.cpu_cores() if impl.streams is None else impl.streams)
-
-
-def _exact_scale(scale: float, dtype) -> bool:
-    """Whether multiplying the queries by ``scale`` is exact: a power of two, in a format whose
-    exponent range reaches float32's (float32, float64, bfloat16; not float16, whose small
-    queries would lose bits below its subnormal limit)."""
-    mantissa, _ = math.frexp(scale)
-    return mantissa == 0.5 and int(jnp.finfo(dtype).minexp) <= -126
-
-
-def _divisor(B, K, want: int) -> int:
-    """The largest chunk of units at most ``want`` that divides the B*K units (of K alone when
-    the batch is symbolic, under ``jax.export``)."""
-    total = B * K if isinstance(B, int) else K
-    return max(c for c in range(1, max(1, min(want, total)) + 1) if total % c == 0)
 
 
 def _to_units(spec, q, k, v):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -38,6 +40,15 @@ def finish_logits(call, raw, bias=None):
     if getattr(mask, "score_mod", None) is not None:
         s = mask.scores(s)
     return s
+
+
+def scale_is_exact(scale: float, dtype) -> bool:
+    """Whether multiplying the queries by ``scale`` is exact, so that ``(scale q) . k`` equals
+    ``scale (q . k)`` bit for bit: a power of two, in a format whose exponent range reaches
+    float32's (float32, float64, bfloat16; not float16, whose small queries would lose bits below
+    its subnormal limit)."""
+    mantissa, _ = math.frexp(scale)
+    return mantissa == 0.5 and int(jnp.finfo(dtype).minexp) <= -126
 
 
 def apply_sinks(sinks, out, lse, weights=None):

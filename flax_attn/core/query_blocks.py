@@ -38,9 +38,8 @@ from jax import lax
 
 from flax_attn import _checks
 from flax_attn.core import numerics, tuning
-from flax_attn.core.blockwise import _divisor, _exact_scale
 from flax_attn.core.mask import FAR
-from flax_attn.core.registry import Implementation, Result
+from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +77,10 @@ class QueryBlocks(Implementation):
             _checks.check_positive_int("QueryBlocks chunk_bytes", self.chunk_bytes)
 
     def supports(self, call) -> Optional[str]:
-        if call.dropout_rate > 0.0:
-            return "dropout (use implementation='xla' or None)"
-        if call.return_weights:
-            return "return_weights (use implementation='xla' or None)"
-        if not (isinstance(call.T, int) and isinstance(call.S, int)):
-            return "symbolic sequence lengths (use implementation='blockwise')"
-        return None
+        reason = refuses_dropout_and_weights(call)
+        if reason is None and not (isinstance(call.T, int) and isinstance(call.S, int)):
+            reason = "symbolic sequence lengths (use implementation='blockwise')"
+        return reason
 
     def preferred(self, call) -> bool:
         mask = call.mask
@@ -102,13 +98,14 @@ class QueryBlocks(Implementation):
         S, K, G = call.S, call.K, call.G
         bq = self._block_q(call)
         logits = _Logits(call.scale, call.softcap, call.precision, K, G)
-        if _exact_scale(call.scale, query.dtype):  # (scale q) . k is scale (q . k) bit for bit
+        if numerics.scale_is_exact(call.scale, query.dtype):  # (scale q) . k is scale (q . k) bit for bit
             query = query * jnp.asarray(call.scale, query.dtype)
             logits = dataclasses.replace(logits, scale=1.0)
         U = B * K
-        widest = max(k1 - k0 for _, _, k0, k1 in key_ranges(call.mask, T, S, bq))
+        ranges = key_ranges(call.mask, T, S, bq)
+        widest = max(k1 - k0 for _, _, k0, k1 in ranges)
         budget = 2 * tuning.l2_cache_bytes() if self.chunk_bytes is None else self.chunk_bytes
-        chunk = _divisor(B, K, max(1, budget // max(1, 4 * G * bq * widest)))
+        chunk = tuning.unit_chunk(B, K, max(1, budget // max(1, 4 * G * bq * widest)))
         q = numerics.group_queries(query, K).reshape(U // chunk, chunk, G, T, H)
         units = lambda x: jnp.swapaxes(x, 1, 2).reshape(U // chunk, chunk, S, x.shape[-1])
         ids = jnp.arange(U, dtype=jnp.int32).reshape(U // chunk, chunk)
@@ -118,7 +115,7 @@ class QueryBlocks(Implementation):
         def run_chunk(args):
             u, qc, kc, vc = args
             outs, lses = [], []
-            for q0, q1, k0, k1 in key_ranges(call.mask, T, S, bq):
+            for q0, q1, k0, k1 in ranges:
                 if k1 <= k0:  # no key may be seen by this block
                     outs.append(jnp.zeros((chunk, G, q1 - q0, Hv), acc))
                     lses.append(jnp.full((chunk, G, q1 - q0), -jnp.inf, acc))

@@ -52,6 +52,17 @@ class Implementation:
         raise NotImplementedError
 
 
+
+def refuses_dropout_and_weights(call) -> Optional[str]:
+    """The reason an implementation without dropout and without returned weights (the plain
+    path has both) gives for a call that asks for either, else None."""
+    if call.dropout_rate > 0.0:
+        return "dropout (use implementation='xla' or None)"
+    if call.return_weights:
+        return "return_weights (use implementation='xla' or None)"
+    return None
+
+
 _REGISTRY: list[Implementation] = []
 
 

@@ -86,3 +86,10 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def unit_chunk(B, K, want: int) -> int:
+    """The largest chunk of (batch row, key/value head) units at most ``want`` that divides the
+    B*K units (of K alone when the batch is symbolic, under ``jax.export``)."""
+    total = B * K if isinstance(B, int) else K
+    return max(c for c in range(1, max(1, min(want, total)) + 1) if total % c == 0)

@@ -221,18 +221,18 @@ def test_block_sizes_fit_the_cache():
 
 
 def test_power_of_two_scale_is_applied_to_the_queries_only_where_exact():
-    from flax_attn.core.blockwise import _exact_scale
+    from flax_attn.core.numerics import scale_is_exact as exact
 
-    assert _exact_scale(0.125, jnp.float32) and _exact_scale(0.125, jnp.bfloat16) and _exact_scale(2.0, jnp.float64)
-    assert not _exact_scale(0.125, jnp.float16)   # small float16 queries would lose bits
-    assert not _exact_scale(128 ** -0.5, jnp.float32) and not _exact_scale(-0.125, jnp.float32)
-    assert not _exact_scale(0.0, jnp.float32)
+    assert exact(0.125, jnp.float32) and exact(0.125, jnp.bfloat16) and exact(2.0, jnp.float64)
+    assert not exact(0.125, jnp.float16)   # small float16 queries would lose bits
+    assert not exact(128 ** -0.5, jnp.float32) and not exact(-0.125, jnp.float32)
+    assert not exact(0.0, jnp.float32)
 
 
 def test_power_of_two_scale_gives_the_same_logits_bit_for_bit(monkeypatch):
     # scale 1/8 folded into the queries against scale 1/8 applied to q.k: outputs, lse and
     # gradients equal bit for bit
-    from flax_attn.core import blockwise
+    from flax_attn.core import numerics
 
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 8)) * 4, jnp.float32) for _ in range(3))
@@ -248,7 +248,7 @@ def test_power_of_two_scale_gives_the_same_logits_bit_for_bit(monkeypatch):
 
     both = lambda: jax.tree_util.tree_leaves(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v))
     folded = both()
-    monkeypatch.setattr(blockwise, "_exact_scale", lambda scale, dtype: False)
+    monkeypatch.setattr(numerics, "scale_is_exact", lambda scale, dtype: False)
     unfolded = both()
     assert len(folded) == 6
     for a, b in zip(folded, unfolded):
