@@ -5,6 +5,7 @@ the same way eagerly and under ``jax.jit``.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -100,6 +101,58 @@ def _raise_unless(ok, *, message: str, **values) -> None:
         raise ValueError(message.format(**{k: np.asarray(v).tolist() for k, v in values.items()}))
 
 
+class Deferred:
+    """The run-time checks met while tracing inside :func:`deferred_checks`: ``records`` a list
+    of ``(ok, message_id, values)`` with traced ``ok`` and ``values``. :meth:`outputs` packs
+    them as a program's extra output; :func:`raise_failed` reads that output on the host."""
+
+    def __init__(self, trace_state):
+        self.trace_state = trace_state
+        self.records: list = []
+
+    def outputs(self) -> list:
+        return [(ok, jnp.int32(message_id), values) for ok, message_id, values in self.records]
+
+    def all_ok(self):
+        return jnp.all(jnp.stack([jnp.asarray(ok) for ok, _, _ in self.records])) if self.records else jnp.bool_(True)
+
+
+_MESSAGES: list = []      # the messages of deferred checks; a record carries its index
+_DEFERRING: list = []     # the Deferred collections open now, innermost last
+
+
+def _trace_state():
+    import jax.extend.core
+
+    return jax.extend.core.get_opaque_trace_state(convention="flax")
+
+
+@contextlib.contextmanager
+def deferred_checks():
+    """Within it, while tracing a program, :func:`runtime_check` on traced values records the
+    condition in the :class:`Deferred` it yields instead of planting a host callback; the
+    program returns :meth:`Deferred.outputs` and the caller passes them to
+    :func:`raise_failed`. A program with a host callback in it cannot take JAX's C++
+    dispatch path: on a 2-core AMD EPYC a decoding step of GPT-2-small's attention took 1.1 ms
+    with the callbacks and 0.5 ms without. Checks met under a nested transformation (a scan
+    or vmap inside the program) keep their callbacks: their values cannot leave that trace."""
+    collected = Deferred(_trace_state())
+    _DEFERRING.append(collected)
+    try:
+        yield collected
+    finally:
+        _DEFERRING.pop()
+
+
+def raise_failed(outputs, when: str = "") -> None:
+    """Raise the ``ValueError`` of the first failed check in :meth:`Deferred.outputs` (concrete
+    arrays, as a program returned them); ``when`` is appended to the message."""
+    for ok, message_id, values in outputs:
+        if not bool(ok):
+            message = _MESSAGES[int(message_id)].format(**{k: np.asarray(v).tolist() for k, v in values.items()})
+            raise ValueError(message + when)
+
+
 def runtime_check(ok, message: str, **values) -> None:
     """Raise ``ValueError(message.format(**values))`` unless ``ok``.
 
@@ -107,11 +160,18 @@ def runtime_check(ok, message: str, **values) -> None:
     under ``jax.jit``): with concrete values it raises at once; with traced ones it plants a
     callback that raises when the compiled program runs (surfacing as a runtime error that
     carries the message). The callback sits in the failing branch of a ``lax.cond``, so a
-    program in which all is well (a decoding step) never calls back to the host.
+    program in which all is well never calls back to the host; its presence still keeps JAX
+    on its slower Python dispatch path, which :func:`deferred_checks` avoids (as
+    :func:`flax_attn.decode_step` does).
     """
     import jax
 
     if isinstance(ok, jax.core.Tracer) or any(isinstance(v, jax.core.Tracer) for v in values.values()):
+        if _DEFERRING and _DEFERRING[-1].trace_state == _trace_state():
+            if message not in _MESSAGES:
+                _MESSAGES.append(message)
+            _DEFERRING[-1].records.append((ok, _MESSAGES.index(message), dict(values)))
+            return
         jax.lax.cond(ok, lambda: None,
                      lambda: jax.debug.callback(_raise_unless, ok, message=message, **values))
     else:

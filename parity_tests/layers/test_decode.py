@@ -1,6 +1,8 @@
 """The decoding path: keys written into the cache in place, attention over the cache itself,
 both cache layouts, the jitted step with the cache donated (flax_attn.decode_step, Linen and
 NNX), the cache's dtype, and padding that never reaches the cache."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +95,36 @@ def test_decode_step_nnx_equals_linen():
     np.testing.assert_array_equal(cache_n.key, cache_l.key)
     with pytest.raises(TypeError, match="decode_step takes a Linen or NNX module, got function"):
         fa.decode_step(lambda x: x)
+
+
+def test_decode_step_checks_without_host_callbacks():
+    """The step's run-time checks are outputs of the program, not host callbacks (which keep
+    JAX off its fast dispatch path): a prefill raises at once, a one-token step at the next
+    call or at step.check(), and the failed step's out is NaN."""
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2})
+    step = fa.decode_step(layer)
+    cache = layer.init_cache(2, 6)
+    hlo = step.jitted.lower(params, cache, x[:, :1], positions[:, :1], None).compile().as_text()
+    assert not re.search(r'custom_call_target="[^"]*callback', hlo)
+    out, cache = step(params, cache, x[:, :4], positions[:, :4])
+    with pytest.raises(ValueError, match=r"KV cache overflow: 4 cached \+ 3 new tokens > max_len=6"):
+        step(params, cache, x[:, 4:7], positions[:, 4:7])  # a prefill's checks are read at once
+
+    cache = layer.init_cache(2, 6)
+    out, cache = step(params, cache, x[:, :5], positions[:, :5])
+    out, cache = step(params, cache, x[:, 5:6], positions[:, 5:6])
+    assert np.isfinite(np.asarray(out)).all()
+    out, cache = step(params, cache, x[:, 6:7], positions[:, 6:7])  # the seventh token of six slots
+    assert np.isnan(np.asarray(out)).all()
+    with pytest.raises(ValueError, match=r"KV cache overflow: 6 cached \+ 1 new tokens > max_len=6.*its output is NaN"):
+        step.check()
+    step.check()  # read once
+
+    cache = layer.init_cache(2, 6)
+    out, cache = step(params, cache, x[:, :3], positions[:, :3])
+    out, cache = step(params, cache, x[:, 3:4], positions[:, 1:2])  # positions go backwards
+    with pytest.raises(ValueError, match="KV cache positions go backwards"):
+        step(params, cache, x[:, 4:5], positions[:, 4:5])  # raised at the next call
 
 
 def test_cache_dtype_follows_the_layer_and_a_mismatch_is_an_error():
