@@ -508,7 +508,8 @@ def plot(results: dict, path: Path) -> None:
 def print_report(results: dict) -> None:
     m = results["machine"]
     print(f"\nMachine: {m['device']}, {m['cpu_count']} cores, {m['memory_gib']} GiB; JAX {m['jax']}, torch {m['torch']}; "
-          f"{m['dtype']}; matmul peak measured {_peaks_text(results)}"
+          f"{m['dtype']}; host memory: {results.get('host_memory', 'default allocator')}; "
+          f"matmul peak measured {_peaks_text(results)}"
           + (f" (datasheet {m['datasheet_bf16_tflops']:.0f} TFLOP/s)" if m.get("datasheet_bf16_tflops") else ""))
     c = results["gpt2_layer_config"]
     if "gpt2_layer" in results:
@@ -564,8 +565,15 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", default="layer,sweep,decode",
                         help="comma-separated subset of layer, sweep, decode (a partial run is written beside "
                              "the full one, its parts in the file name)")
+    parser.add_argument("--keep-host-memory", action="store_true",
+                        help="call flax_attn.keep_host_memory() first: XLA's temporaries reuse freed memory instead "
+                             "of being faulted in at every call (PyTorch in the same process gets the same allocator)")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.keep_host_memory:
+        import flax_attn
+
+        flax_attn.keep_host_memory()
     if args.point:
         impl, T, mode, reps = args.point
         print(json.dumps(sweep_point(impl, int(T), mode, int(reps))))
@@ -578,8 +586,9 @@ def main(argv=None) -> None:
                  else {"batch": 8, "context": 1024, "d_model": 768, "heads": 12})
     lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
     impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
-    print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']})", flush=True)
-    results = {"machine": info, "gpt2_layer_config": layer_cfg}
+    host_memory = "kept (flax_attn.keep_host_memory)" if args.keep_host_memory else "default allocator"
+    print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']}); host memory: {host_memory}", flush=True)
+    results = {"machine": info, "host_memory": host_memory, "gpt2_layer_config": layer_cfg}
     peaks = matmul_peak_tflops(gpu, smoke=args.smoke)
     results["matmul_peak_tflops"] = peaks["jax"]           # JAX's, the ceiling of the JAX figures
     results["matmul_peak_tflops_by_framework"] = peaks
@@ -601,7 +610,7 @@ def main(argv=None) -> None:
             results["decode_vs_torch"] = (decode.run(1, batches=(1,), prefixes=(64,)) if args.smoke
                                           else decode.run(repeats))
     args.out.mkdir(parents=True, exist_ok=True)
-    partial = "" if len(parts) == 3 else "-" + "-".join(parts)
+    partial = ("" if len(parts) == 3 else "-" + "-".join(parts)) + ("-kept" if args.keep_host_memory else "")
     stem = args.out / (info["name"] + ("-smoke" if args.smoke else "") + partial)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))

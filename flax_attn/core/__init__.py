@@ -21,6 +21,7 @@ from flax_attn.core.numerics import dropout, masked_softmax
 from flax_attn.core.pallas import PallasDecode, PallasTriton, Splash
 from flax_attn.core.query_blocks import QueryBlocks
 from flax_attn.core.registry import Implementation, Result
+from flax_attn.core.tuning import keep_host_memory
 from flax_attn.core.xla import XLA
 
 # The automatic choice tries these in order; the plain path serves everything and stays last.
@@ -35,4 +36,4 @@ registry.register(PallasTriton(), before="blockwise")
 registry.register(QueryBlocks(), before="blockwise")
 
 __all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "Mask", "PallasDecode", "PallasTriton", "QueryBlocks", "Result", "Splash",
-           "XLA", "dot_product_attention", "dropout", "mask", "masked_softmax", "registry"]
+           "XLA", "dot_product_attention", "dropout", "keep_host_memory", "mask", "masked_softmax", "registry"]

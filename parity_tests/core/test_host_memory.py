@@ -1,0 +1,46 @@
+"""fa.keep_host_memory: XLA's per-call temporaries reuse freed host memory instead of being
+faulted in anew at every call (Linux with glibc), and a call after JAX has started is refused."""
+import platform
+import subprocess
+import sys
+
+import pytest
+
+CHILD = r"""
+import resource, sys
+import flax_attn as fa
+applied = fa.keep_host_memory() if sys.argv[1] == "keep" else None
+import jax, jax.numpy as jnp
+x = jnp.ones((8, 1024, 12, 64), jnp.float32)  # GPT-2-small's attention core
+f = jax.jit(lambda x: fa.dot_product_attention(x, x, x, is_causal=True, implementation="blockwise"))
+temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes
+for _ in range(2):
+    f(x).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    f(x).block_until_ready()
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+try:
+    fa.keep_host_memory()
+    late = "accepted"
+except RuntimeError as e:
+    late = str(e)
+print(applied, faults, temp, late, sep="\n")
+"""
+
+
+def _child(mode):
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True).stdout
+    applied, faults, temp, late = out.strip().split("\n", 3)
+    return applied, float(faults), int(temp), late
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_keep_host_memory_stops_per_call_page_faults():
+    applied, kept_faults, temp, late = _child("keep")
+    _, default_faults, _, _ = _child("default")
+    assert applied == "True"
+    pages = temp // 4096  # the program's temporaries in pages of 4 KiB: the default allocator maps them anew
+    assert temp > 64 << 20 and default_faults > pages / 2, (temp, default_faults)
+    assert kept_faults < pages / 20, (temp, kept_faults)
+    assert late.startswith("keep_host_memory() must run before JAX runs anything")
