@@ -74,6 +74,7 @@ def generate_cached(step, params, prompt, n):
     for t in range(len(prompt), len(prompt) + n - 1):
         logits, caches = step(params, caches, jnp.asarray([[tokens[-1]]]), jnp.asarray([[t]]))
         tokens.append(int(jnp.argmax(logits[0, -1])))
+    step.check()  # the last step's run-time checks (each step's are read at the next call)
     return tokens
 
 

@@ -1,5 +1,7 @@
-"""fa.keep_host_memory: XLA's per-call temporaries reuse freed host memory instead of being
-faulted in anew at every call (Linux with glibc), and a call after JAX has started is refused."""
+"""flax_attn.core.tuning's keep_host_memory: XLA's per-call temporaries reuse freed host memory
+instead of being faulted in anew at every call (Linux with glibc); a call after JAX has started
+is refused."""
+import os
 import platform
 import subprocess
 import sys
@@ -30,7 +32,11 @@ print(applied, faults, temp, late, sep="\n")
 
 
 def _child(mode):
-    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True).stdout
+    # XLA's default compilation, as users run it (the suite's faster-compiling flags change which
+    # buffers the program allocates: at optimisation level 0 its output is mapped anew per call)
+    env = {**os.environ, "XLA_FLAGS": ""}
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True,
+                         env=env).stdout
     applied, faults, temp, late = out.strip().split("\n", 3)
     return applied, float(faults), int(temp), late
 
