@@ -111,8 +111,10 @@ def keep_host_memory() -> bool:
     buffer in page by page (30,000 page faults per call there, 56 ms of kernel time per
     180 ms call on a 2-core AMD EPYC). This sets glibc to keep one arena (``M_ARENA_MAX=1``),
     to serve every request from its heap (``M_MMAP_MAX=0``) and to return freed memory to the
-    system only past 2 GiB free at its top (``M_TRIM_THRESHOLD``): the same process then
-    faults about once. The same settings for any program, without code:
+    system only past 2 GiB free at its top (``M_TRIM_THRESHOLD``): after a few calls the same
+    program faults no page in most runs (some buffers, such as a call's output, may still be
+    mapped anew: at least half the faults go either way). The same settings for any program,
+    without code:
     ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647``.
 
     **Costs.** The process keeps the memory it has used at its peak (until 2 GiB are free at
