@@ -31,33 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks import cpu
+
 D_MODEL, HEADS, THETA = 768, 12, 10000.0
 STEPS = 4          # decode steps per timed call
 BATCHES = (1, 8)
 PREFIXES = (1024, 8192)
-
-
-def cpu_name() -> str:
-    """``lscpu``'s model name (e.g. ``AMD EPYC``), or ``unknown``."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def cpu_slug() -> str:
-    """The CPU's model name lowercased, spaces to dashes: ``amd-epyc``."""
-    return "-".join(cpu_name().lower().replace("(r)", "").replace("(tm)", "").split())
 
 
 def _torch_layer_class():
@@ -221,7 +205,7 @@ def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES) -> list[dict]:
 
 def machine() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "load_1_5_15": [round(v, 2) for v in load]}
+    return {"cpu": cpu.name(), "cores": os.cpu_count(), "load_1_5_15": [round(v, 2) for v in load]}
 
 
 def report(rows: list[dict]) -> str:
@@ -249,7 +233,7 @@ def main(argv=None) -> None:
     repeats = 8 if args.quick else args.repeats
     rows = run(repeats, prefixes=prefixes)
     print(report(rows))
-    out = args.out or Path(__file__).parent / "results" / f"decode-{cpu_slug()}.json"
+    out = args.out or Path(__file__).parent / "results" / f"decode-{cpu.slug()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "repeats": repeats, "steps_per_round": STEPS,
                                "rows": rows}, indent=1) + "\n")

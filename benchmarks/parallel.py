@@ -29,25 +29,16 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from benchmarks import cpu  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 DEVICES = (1, 2, 4, 8)
 MiB = 2 ** 20
-
-
-def cpu_name() -> str:
-    """``lscpu``'s model name, lowercased, spaces to dashes (e.g. ``amd-epyc``)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        name = "unknown cpu"
-    return "-".join(name.lower().split())
 
 
 # ------------------------------------------------------------------------------ measured
@@ -231,14 +222,14 @@ def main(argv=None):
 
     T = args.tokens or (1024 if args.quick else 8192)
     repeats = 1 if args.quick else args.repeats
-    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "jax": jax.__version__,
+    machine = {"cpu": cpu.name(), "cores": os.cpu_count(), "jax": jax.__version__,
                "virtual_devices": jax.device_count(), "date": time.strftime("%Y-%m-%d")}
     print(f"measuring on {jax.device_count()} virtual CPU devices ({machine['cpu']}, {machine['cores']} cores)",
           flush=True)
     result = {"machine": machine, "tokens": T, "measured": measure(T, repeats), "on_paper": on_paper(),
               "note": "times are wall clock of virtual CPU devices sharing the cores, not device times"}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"parallel-{machine['cpu']}.json"
+    path = args.out / f"parallel-{cpu.slug()}.json"
     path.write_text(json.dumps(result, indent=1))
     print(tables(result))
     print(f"\nwrote {path}")

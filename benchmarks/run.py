@@ -38,6 +38,8 @@ from typing import Optional
 
 import numpy as np
 
+from benchmarks import cpu
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SWEEP_LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 
@@ -64,7 +66,7 @@ def machine() -> dict:
                  "frameworks are measured on the same device")
     info = {
         "backend": "gpu" if gpu else "cpu",
-        "device": torch.cuda.get_device_name() if gpu else _cpu_name(),
+        "device": torch.cuda.get_device_name() if gpu else cpu.name(),
         "cpu_count": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
@@ -87,16 +89,6 @@ def _load() -> Optional[list]:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 # --------------------------------------------------------------------------- timing
