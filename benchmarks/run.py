@@ -562,10 +562,11 @@ def main(argv=None) -> None:
                              "of being faulted in at every call (PyTorch in the same process gets the same allocator)")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    kept = False
     if args.keep_host_memory:
         import flax_attn
 
-        flax_attn.keep_host_memory()
+        kept = flax_attn.keep_host_memory()  # False where it does not apply (no glibc)
     if args.point:
         impl, T, mode, reps = args.point
         print(json.dumps(sweep_point(impl, int(T), mode, int(reps))))
@@ -578,7 +579,9 @@ def main(argv=None) -> None:
                  else {"batch": 8, "context": 1024, "d_model": 768, "heads": 12})
     lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
     impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
-    host_memory = "kept (flax_attn.keep_host_memory)" if args.keep_host_memory else "default allocator"
+    host_memory = ("kept (flax_attn.keep_host_memory)" if kept else
+                   "default allocator (keep_host_memory does not apply here)" if args.keep_host_memory else
+                   "default allocator")
     print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']}); host memory: {host_memory}", flush=True)
     results = {"machine": info, "host_memory": host_memory, "gpt2_layer_config": layer_cfg}
     peaks = matmul_peak_tflops(gpu, smoke=args.smoke)

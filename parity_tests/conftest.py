@@ -24,7 +24,6 @@ import sys
 import jax
 
 
-
 def _accepted_flags(candidates=("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")):
     """The candidate flags this jaxlib accepts (an unknown XLA flag aborts the process that reads it)."""
     known = os.environ.get("FLAX_ATTN_TEST_XLA_FLAGS")

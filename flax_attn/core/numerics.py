@@ -8,9 +8,8 @@ Logit pipeline (in at least float32): ``s = scale * q.k``; soft-cap ``s = c * ta
 """
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp

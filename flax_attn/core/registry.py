@@ -52,7 +52,6 @@ class Implementation:
         raise NotImplementedError
 
 
-
 def refuses_dropout_and_weights(call) -> Optional[str]:
     """The reason an implementation without dropout and without returned weights (the plain
     path has both) gives for a call that asks for either, else None."""
