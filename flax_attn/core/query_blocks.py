@@ -23,11 +23,17 @@ flash-style step on one 128 x 128 tile runs on one core. Here a step is one quer
 units against all its keys (``C * bq * S`` logits, bounded by ``chunk_bytes``), and the
 program has no loop-carried softmax state to rescale.
 
-**Memory and derivatives.** Each block is a ``jax.checkpoint``: reverse mode keeps only the
-block's inputs and recomputes its logits, so memory is linear in S for a given block (``C * bq
-* S`` logits at a time), not quadratic. Derivatives are JAX's own through ordinary operations:
-forward mode, reverse mode and every higher order work, with the plain path's accuracy at
-extreme logits.
+**Memory and derivatives.** Each block is a ``jax.checkpoint`` that keeps the block's inputs
+and its softmax's row maxima and sums (:data:`flax_attn.core.numerics.SOFTMAX_STATS`); reverse
+mode recomputes its logits and weights, so memory is linear in S for a given block (``C * bq *
+S`` logits at a time), not quadratic. The softmax and the values' matmul are
+:func:`flax_attn.core.numerics.softmax_values`, whose derivative is written once with the
+weights (three passes over a block's logits in reverse mode where the softmax's own derivative
+took about seven); the rows' map is checkpointed too, so reverse mode keeps the inputs' rows
+where they lie instead of stacking copies of their units. Forward mode, reverse mode and every
+higher order work, with the plain path's accuracy at extreme logits. At GPT-2-small's core
+(8 x 12 heads x 1024 tokens, causal, float32, a 2-core AMD EPYC) this took a forward+backward
+from 0.67 to 0.56 s.
 
 **Limits.** The program grows with the number of query blocks (unrolled), so the automatic
 choice takes it only up to ``max_blocks`` of them and only where the key ranges are known at
@@ -129,7 +135,8 @@ class QueryBlocks(Implementation):
                     continue
                 # a block's inputs are the step's whole qc, kc, vc (cut inside): reverse mode keeps
                 # those once per step, not a cut of them per block
-                block = jax.checkpoint(functools.partial(_cut_block, logits, call.mask, q0, q1, k0, k1))
+                block = jax.checkpoint(functools.partial(_cut_block, logits, call.mask, q0, q1, k0, k1),
+                                       policy=_KEEP_STATS)
                 out, lse = block(u, qc, kc, vc)
                 outs.append(out)
                 lses.append(lse)
@@ -152,7 +159,9 @@ class QueryBlocks(Implementation):
 
         by_rows = lambda x: x if rows == 1 else x.reshape((B // rows, rows) + x.shape[1:])
         firsts = jnp.arange(B, dtype=jnp.int32).reshape(B // rows, rows)[:, 0]
-        out, lse = lax.map(run_rows, (firsts, by_rows(query), by_rows(key), by_rows(value)))
+        # checkpointed rows: reverse mode keeps the inputs' own rows, not stacked copies of their units
+        rows_step = jax.checkpoint(run_rows, policy=_KEEP_STATS)
+        out, lse = lax.map(rows_step, (firsts, by_rows(query), by_rows(key), by_rows(value)))
         out = out.reshape(B, T, N, Hv)
         return Result(out=out, lse=None if lse is None else lse.reshape(B, T, N))
 
@@ -169,6 +178,7 @@ class _Logits:
     G: int
 
 
+_KEEP_STATS = jax.checkpoint_policies.save_only_these_names(numerics.SOFTMAX_STATS)
 _PER_UNIT = ("q_positions", "k_positions", "q_segments", "k_segments", "q_lengths", "kv_lengths", "dense")
 
 
@@ -225,7 +235,5 @@ def _block(logits, mask, q0, bq, k0, bk, u, qi, kj, vj):
             allowed = rows(mask.block(0, (0, 1), q0, bq, k0, bk))[None]
         else:
             allowed = jax.vmap(lambda u: rows(mask.block(*where(u), q0, bq, k0, bk)))(u)
-    weights, lse = numerics.softmax_parts(s, allowed)
-    out = jnp.einsum("crk,ckh->crh", weights.astype(vj.dtype), vj, precision=logits.precision,
-                     preferred_element_type=acc)
+    out, lse = numerics.softmax_values(s, allowed, vj, logits.precision)
     return out.reshape(C, G, bq, -1), lse.reshape(C, G, bq)

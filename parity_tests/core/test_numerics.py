@@ -118,3 +118,54 @@ def test_apply_sinks_by_hand():
     g = jax.grad(lambda s: jnp.sum(apply_sinks(s, out, lse)[0]))(jnp.array([0.0]))
     # d/ds of 3/(3 + e^s) * (2 - 4) at s = 0: -(-2) * 3/16; the empty row adds nothing (no NaN)
     np.testing.assert_allclose(g, [2 * 3 / 16], rtol=1e-15)
+
+
+def _softmax_values_case():
+    from flax_attn.core.numerics import softmax_values
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((2, 5, 7)) * 3)
+    logits = logits.at[0, 1, 2].set(-jnp.inf)                          # a -inf logit takes no part
+    allowed = jnp.asarray(rng.random((2, 5, 7)) < 0.7).at[1, 3].set(False)  # row (1, 3) sees nothing
+    values = jnp.asarray(rng.standard_normal((2, 7, 4)))
+    plain = lambda s, v: (jnp.einsum("crk,ckh->crh", fa.core.numerics.softmax_parts(s, allowed)[0], v),
+                          fa.core.numerics.softmax_parts(s, allowed)[1])
+    custom = lambda s, v: softmax_values(s, allowed, v)
+    return rng, (logits, values), plain, custom
+
+
+def test_softmax_values_derivatives_equal_the_softmaxs():
+    """softmax_values' hand-written derivative against JAX's derivative of the softmax itself
+    (float64): outputs, jvp, vjp and a second order, with a -inf logit and a row that sees
+    nothing (zeros, zero gradients)."""
+    rng, args, plain, custom = _softmax_values_case()
+    tangents = tuple(jnp.asarray(rng.standard_normal(a.shape)).at[0, 1, 2].set(0.0) if i == 0 else
+                     jnp.asarray(rng.standard_normal(a.shape)) for i, a in enumerate(args))
+    out_ct = (jnp.asarray(rng.standard_normal((2, 5, 4))), jnp.asarray(rng.standard_normal((2, 5))).at[1, 3].set(0.0))
+    for name, got, want in (
+            ("outputs", custom(*args), plain(*args)),
+            ("jvp", jax.jvp(custom, args, tangents)[1], jax.jvp(plain, args, tangents)[1]),
+            ("vjp", jax.vjp(custom, *args)[1](out_ct), jax.vjp(plain, *args)[1](out_ct)),
+            ("second order", jax.jvp(lambda *a: jax.vjp(custom, *a)[1](out_ct), args, tangents)[1],
+             jax.jvp(lambda *a: jax.vjp(plain, *a)[1](out_ct), args, tangents)[1])):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.isfinite(np.where(np.isneginf(w), 0, g)).all(), name
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=name)
+    d_logits, d_values = jax.vjp(custom, *args)[1](out_ct)
+    np.testing.assert_array_equal(d_logits[1, 3], 0.0)
+    np.testing.assert_array_equal(d_logits[0, 1, 2], 0.0)
+
+
+def test_softmax_values_checkpoint_keeps_row_statistics():
+    """Under jax.checkpoint with the SOFTMAX_STATS policy, reverse mode recomputes the weights
+    from the kept row maxima and sums: one max over the logits in the whole gradient program
+    (the forward's), against two when nothing is kept."""
+    from flax_attn.core.numerics import SOFTMAX_STATS
+    _, args, _, custom = _softmax_values_case()
+    loss = lambda s, v: jnp.sum(custom(s, v)[0] ** 2)
+
+    def maxima(policy):
+        jaxpr = jax.make_jaxpr(jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1)))(*args)
+        return str(jaxpr).count("reduce_max")
+
+    assert maxima(jax.checkpoint_policies.save_only_these_names(SOFTMAX_STATS)) == 1
+    assert maxima(None) == 2
