@@ -120,22 +120,6 @@ def multi_head_attention_wrapper(d_in: int, context_length: int, dropout: float,
                             for i in range(num_heads)], axis=-1)
 
 
-def fused_qkv(params, x, precision: Any = None):
-    """``x [W_query | W_key | W_value] (+ [b_q | b_k | b_v])``: the three projections as one matmul
-    on kernels concatenated at call time (parameters stay separate, named as in the chapter).
-
-    ``(B, T, d_in)`` -> ``(B, T, 3 * d_out)``, queries, keys, values in that order. One
-    ``d_in x 3 d_out`` matmul keeps the matrix wide; the result equals the three projections.
-    """
-    names = ("W_query", "W_key", "W_value")
-    fused = {"kernel": jnp.concatenate([jnp.asarray(params[n]["kernel"]) for n in names], axis=-1)}
-    if all("bias" in params[n] for n in names):
-        fused["bias"] = jnp.concatenate([jnp.asarray(params[n]["bias"]) for n in names], axis=-1)
-    elif any("bias" in params[n] for n in names):
-        raise ValueError("W_query, W_key and W_value must all have a bias or none (qkv_bias)")
-    return dense(fused, x, precision)
-
-
 def multi_head_attention_params(d_in: int, d_out: int, context_length: int, dropout: float, num_heads: int,
                                 qkv_bias: bool = False) -> dict:
     """Specs: ``W_query``, ``W_key``, ``W_value`` linear ``d_in -> d_out``; ``out_proj`` ``d_out -> d_out`` (biased)."""
@@ -153,8 +137,11 @@ def multi_head_attention(d_in: int, d_out: int, context_length: int, dropout: fl
     ``d_out // num_heads``; dropout on the weights when ``dropout_rng`` is a key."""
     check_tokens("MultiHeadAttention", x, d_in, context_length)
     b, t, _ = x.shape
-    qkv = fused_qkv(params, x, precision).reshape(b, t, 3, num_heads, d_out // num_heads)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # three matmuls, not one on kernels concatenated at call time: the fused output's slices
+    # come back in reverse mode as a padded sum, and a GPT-2-small layer's forward+backward took
+    # 6% longer so (2-core AMD EPYC, benchmarks.run's "one fused QKV matmul" row)
+    q, k, v = (dense(params[name], x, precision).reshape(b, t, num_heads, d_out // num_heads)
+               for name in ("W_query", "W_key", "W_value"))
     ctx = dot_product_attention(q, k, v, is_causal=True, dropout_rate=dropout if dropout_rng is not None else 0.0,
                                 dropout_rng=dropout_rng, precision=precision, implementation=implementation)
     return dense(params["out_proj"], ctx.reshape(b, t, d_out), precision)
