@@ -223,6 +223,8 @@ class _FusedProjections(_Deterministic):
     at call time (the module itself runs three): the alternative measured."""
 
     def apply(self, params, x):
+        import jax.numpy as jnp
+
         import flax_attn as fa
         from flax_attn.layers.common import dense
 

@@ -25,3 +25,20 @@ def test_layer_benchmark_times_every_implementation_that_serves_the_call(platfor
     assert all(isinstance(r, str) and r for r in reasons.values())
     if platform == "gpu" and dtype == jnp.bfloat16:
         assert "one query" in reasons["pallas_decode"]
+
+
+def test_fused_projection_contender_computes_the_module():
+    """The benchmark's one-fused-QKV-matmul row times the same function as the module (three
+    matmuls): equal outputs on the module's parameters."""
+    import jax
+    import numpy as np
+
+    import flax_attn as fa
+    from benchmarks.run import _Deterministic, _FusedProjections
+
+    mha = fa.MultiHeadAttention(16, 16, 8, 0.0, 4)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    params = _Deterministic(mha).init(jax.random.key(0), x)
+    want = _Deterministic(mha).apply(params, x)
+    got = _FusedProjections(mha).apply(params, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
