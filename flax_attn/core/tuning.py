@@ -106,9 +106,9 @@ def keep_host_memory() -> bool:
     memory arenas); returns True when applied.
 
     **Why.** A compiled XLA program on CPU allocates its temporaries as one buffer per call
-    (152 MB for a GPT-2-small attention layer's forward at 8 x 1024 tokens). glibc serves a
+    (107 MB for a GPT-2-small attention layer's forward at 8 x 1024 tokens). glibc serves a
     request that large from a worker thread with a fresh ``mmap``, so every call faults the
-    buffer in page by page (37,500 page faults per call there, 75 ms of kernel time per 0.4 s
+    buffer in page by page (31,000 page faults per call there, 58 ms of kernel time per 0.39 s
     call on a 2-core AMD EPYC). This sets glibc to keep one arena (``M_ARENA_MAX=1``),
     to serve every request from its heap (``M_MMAP_MAX=0``) and to return freed memory to the
     system only past 2 GiB free at its top (``M_TRIM_THRESHOLD``): after a few calls the same
