@@ -103,22 +103,33 @@ def group_heads(x, K: int):
     return x[:, :, None] if n == 1 else x.reshape(b, K, n // K, t, s)
 
 
+def _softmax_terms(logits, allowed, axis: int = -1, name=None):
+    """What a masked softmax is built from: ``ok`` (allowed and not ``-inf``), ``e = exp(filled -
+    m)``, the row maxima ``m`` and sums ``total`` (named ``name`` under differentiation, if
+    given), and whether a row has any allowed entry."""
+    ok = logits != -jnp.inf
+    if allowed is not None:
+        ok = ok & allowed
+    # Blocked entries get the most negative finite value: exp underflows to 0 beside any allowed
+    # entry, and a row with none gives a finite uniform row, zeroed by the caller.
+    filled = jnp.where(ok, logits, jnp.finfo(logits.dtype).min)
+    m = jax.lax.stop_gradient(jnp.max(filled, axis=axis, keepdims=True))
+    if name is not None:
+        m = ad_checkpoint.checkpoint_name(m, name)
+    e = jnp.exp(filled - m)
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    if name is not None:
+        total = ad_checkpoint.checkpoint_name(total, name)
+    return ok, e, m, total, jnp.any(ok, axis=axis, keepdims=True)
+
+
 def softmax_parts(logits, allowed=None, axis: int = -1):
     """Softmax over ``axis`` where ``allowed`` (and the logit is not ``-inf``), and the log-sum-exp.
 
     Returns ``(weights, lse)``: a row with nothing allowed has weights 0 (gradient 0, never
     NaN) and ``lse = -inf``.
     """
-    ok = logits != -jnp.inf
-    if allowed is not None:
-        ok = ok & allowed
-    # Blocked entries get the most negative finite value: exp underflows to 0 beside any allowed
-    # entry, and a row with none gives a finite uniform row, zeroed below.
-    filled = jnp.where(ok, logits, jnp.finfo(logits.dtype).min)
-    m = jax.lax.stop_gradient(jnp.max(filled, axis=axis, keepdims=True))
-    e = jnp.exp(filled - m)
-    total = jnp.sum(e, axis=axis, keepdims=True)
-    some = jnp.any(ok, axis=axis, keepdims=True)
+    ok, e, m, total, some = _softmax_terms(logits, allowed, axis)
     weights = e / total * some.astype(e.dtype)
     lse = jnp.where(some, m + jnp.log(total), -jnp.inf)
     return weights, jnp.squeeze(lse, axis)
@@ -166,15 +177,8 @@ def _weighted_values(weights, values, precision, acc):
 def _softmax_values_jvp(precision, primals, tangents):
     logits, allowed, values = primals
     d_logits, _, d_values = tangents
-    ok = logits != -jnp.inf
-    if allowed is not None:
-        ok = ok & allowed
-    filled = jnp.where(ok, logits, jnp.finfo(logits.dtype).min)
-    m = ad_checkpoint.checkpoint_name(jax.lax.stop_gradient(jnp.max(filled, axis=-1, keepdims=True)), SOFTMAX_STATS)
-    e = jnp.exp(filled - m)
-    total = ad_checkpoint.checkpoint_name(jnp.sum(e, axis=-1, keepdims=True), SOFTMAX_STATS)
+    ok, e, m, total, some = _softmax_terms(logits, allowed, name=SOFTMAX_STATS)
     weights = jnp.where(ok, e * (1 / total), 0)
-    some = jnp.any(ok, axis=-1)
     lse = m + jnp.log(total)
     out = _weighted_values(weights, values, precision, logits.dtype)
     # d out = dP v + P dv, dP = P * (ds - rowsum(P * ds)); d lse = rowsum(P * ds)
@@ -182,7 +186,7 @@ def _softmax_values_jvp(precision, primals, tangents):
     d_lse = jnp.sum(pds, axis=-1, keepdims=True)
     d_out = (_weighted_values(pds - weights * d_lse, values, precision, logits.dtype)
              + _weighted_values(weights, d_values, precision, logits.dtype))
-    return (out, jnp.where(some, lse[..., 0], -jnp.inf)), (d_out, d_lse[..., 0])
+    return (out, jnp.where(some, lse, -jnp.inf)[..., 0]), (d_out, d_lse[..., 0])
 
 
 def masked_softmax(logits, mask=None, axis: int = -1):
