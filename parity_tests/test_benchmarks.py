@@ -14,10 +14,10 @@ SHAPE = (8, 1024, 12, 64)  # B, T, N, H of the GPT-2-small layer
 
 
 @pytest.mark.parametrize("platform, dtype, timed, declined", [
-    ("cpu", jnp.float32, {"xla", "query_blocks", "blockwise"}, set()),
-    ("gpu", jnp.bfloat16, {"xla", "query_blocks", "blockwise", "cudnn", "pallas_triton"}, {"pallas_decode"}),
-    ("gpu", jnp.float32, {"xla", "query_blocks", "blockwise"}, {"cudnn", "pallas_triton", "pallas_decode"}),
-    ("tpu", jnp.bfloat16, {"xla", "query_blocks", "blockwise", "splash"}, set()),
+    ("cpu", jnp.float32, {"xla", "query_blocks", "blockwise"}, {"key_blocks"}),
+    ("gpu", jnp.bfloat16, {"xla", "query_blocks", "blockwise", "cudnn", "pallas_triton"}, {"pallas_decode", "key_blocks"}),
+    ("gpu", jnp.float32, {"xla", "query_blocks", "blockwise"}, {"cudnn", "pallas_triton", "pallas_decode", "key_blocks"}),
+    ("tpu", jnp.bfloat16, {"xla", "query_blocks", "blockwise", "splash"}, {"key_blocks"}),
 ])
 def test_layer_benchmark_times_every_implementation_that_serves_the_call(platform, dtype, timed, declined):
     served, reasons = layer_implementations(*SHAPE, dtype, platform)
@@ -25,6 +25,7 @@ def test_layer_benchmark_times_every_implementation_that_serves_the_call(platfor
     assert all(isinstance(r, str) and r for r in reasons.values())
     if platform == "gpu" and dtype == jnp.bfloat16:
         assert "one query" in reasons["pallas_decode"]
+    assert "without key/value lengths" in reasons["key_blocks"]  # a layer's call over the whole sequence
 
 
 def test_fused_projection_contender_computes_the_module():

@@ -7,7 +7,8 @@
 * one file per implementation: :mod:`~flax_attn.core.xla` (plain, serves everything),
   :mod:`~flax_attn.core.blockwise` (flash-style, linear memory), :mod:`~flax_attn.core.query_blocks`
   (blocks of queries against their whole key range; the CPU choice at moderate lengths),
-  :mod:`~flax_attn.core.cudnn`,
+  :mod:`~flax_attn.core.key_blocks` (key blocks up to the filled length; the CPU choice for
+  decoding over a KV cache), :mod:`~flax_attn.core.cudnn`,
   and JAX's Pallas kernels in :mod:`~flax_attn.core.pallas` (splash, pallas_triton, pallas_decode);
 * :mod:`~flax_attn.core.attention`: :func:`dot_product_attention`.
 """
@@ -16,6 +17,7 @@ from flax_attn.core.attention import dot_product_attention
 from flax_attn.core.blockwise import Blockwise
 from flax_attn.core.call import Call
 from flax_attn.core.cudnn import CuDNN
+from flax_attn.core.key_blocks import KeyBlocks
 from flax_attn.core.mask import Mask
 from flax_attn.core.numerics import dropout, masked_softmax
 from flax_attn.core.pallas import PallasDecode, PallasTriton, Splash
@@ -34,6 +36,8 @@ registry.register(Splash(), before="blockwise")
 registry.register(PallasTriton(), before="blockwise")
 # On CPU: query blocks where their key ranges are known at trace time and the unrolled program stays small
 registry.register(QueryBlocks(), before="blockwise")
+# On CPU: few queries against a key axis mostly unused at run time (a decoding step over a KV cache)
+registry.register(KeyBlocks(), before="query_blocks")
 
-__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "Mask", "PallasDecode", "PallasTriton", "QueryBlocks", "Result", "Splash",
+__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "KeyBlocks", "Mask", "PallasDecode", "PallasTriton", "QueryBlocks", "Result", "Splash",
            "XLA", "dot_product_attention", "dropout", "keep_host_memory", "mask", "masked_softmax", "registry"]

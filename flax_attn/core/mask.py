@@ -104,6 +104,8 @@ class Mask:
     causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
     window: Optional[Tuple[int, int]] = dataclasses.field(default=None, metadata=dict(static=True))
     chunk: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
+    # keys past kv_lengths hold finite values (a KV cache's unwritten slots): blocked, not zeroed first
+    kv_finite: bool = dataclasses.field(default=False, metadata=dict(static=True))
     shape: Optional[Tuple[Any, ...]] = dataclasses.field(default=None, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ composition
@@ -133,7 +135,8 @@ class Mask:
                              "give one")
         return Mask(**fields, mask_mods=self.mask_mods + other.mask_mods, causal=self.causal or other.causal,
                     window=_intersect(self.window, other.window),
-                    chunk=self.chunk if self.chunk is not None else other.chunk)
+                    chunk=self.chunk if self.chunk is not None else other.chunk,
+                    kv_finite=self.kv_finite if self.kv_lengths is not None else other.kv_finite)
 
     # ------------------------------------------------------------------ summary
 
@@ -334,9 +337,11 @@ class Mask:
 
     def key_visible(self):
         """``(B|1, S)`` bool: keys that some query may attend to by the key-wise rules (lengths,
-        negative segment ids, all-False columns of the dense mask); None if all may be."""
+        negative segment ids, all-False columns of the dense mask); None if all may be. Lengths
+        given as ``finite_past_lengths`` (:func:`lengths`) do not count: their keys need no
+        zeroing."""
         _, _, _, S = self._dims()
-        return _visible(S, self.kv_lengths, self.k_segments, self.dense, keep=3)
+        return _visible(S, None if self.kv_finite else self.kv_lengths, self.k_segments, self.dense, keep=3)
 
     def query_visible(self):
         """``(B|1, T)`` bool: queries that may attend to something by the row-wise rules."""
@@ -511,12 +516,20 @@ def segments(query_segment_ids, key_segment_ids) -> Mask:
     return Mask(q_segments=query_segment_ids, k_segments=key_segment_ids)
 
 
-def lengths(query_seq_lengths=None, key_value_seq_lengths=None) -> Mask:
-    """Per-sequence lengths ``(B,)``: rows / columns past them are blocked."""
+def lengths(query_seq_lengths=None, key_value_seq_lengths=None, *, finite_past_lengths: bool = False) -> Mask:
+    """Per-sequence lengths ``(B,)``: rows / columns past them are blocked.
+
+    Keys and values past ``key_value_seq_lengths`` are zeroed before attending, so that NaN or
+    Inf there cannot leak (a pass over them). ``finite_past_lengths=True`` promises that they
+    hold finite values, as a KV cache's unwritten slots do (zeros): they are then only blocked.
+    Either way implementations may skip the key blocks past the longest length
+    (``implementation='key_blocks'``: a decoding step's cost follows the fill of its cache).
+    """
     for name, x in (("query_seq_lengths", query_seq_lengths), ("key_value_seq_lengths", key_value_seq_lengths)):
         if x is not None:
             _checks.check_integer(name, x)
-    return Mask(q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths)
+    return Mask(q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths,
+                kv_finite=bool(finite_past_lengths) and key_value_seq_lengths is not None)
 
 
 def chunked(chunk_size: int) -> Mask:

@@ -481,6 +481,7 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
     key_positions, key_segments = context_positions, context_segment_ids
     mask_key_positions, mask_segments = None, ()  # () = as key_positions / key_segments
     new_cache = None
+    written = None  # how many leading cache slots hold tokens
     if cache is not None:
         if segment_ids is None:
             segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)
@@ -500,6 +501,7 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
             # slots have segment id -1, and the stored positions give causal and window masks.
             k, v = new_cache.keys(), new_cache.values()
             key_positions, key_segments = new_cache.positions, new_cache.segment_ids
+            written = jnp.minimum(new_cache.length, new_cache.max_len)  # a ring fills from slot 0 too
             if T == 1 and (c.causal or c.window is not None):
                 # One query per row: its segment rule (same segment, no padding) folds into the key
                 # positions, a slot it may not see moving out of reach of the causal/window rule
@@ -534,6 +536,12 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
             mask = chunks
         else:
             mask = chunks & (mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
+    if written is not None and getattr(mask, "kv_lengths", None) is None:
+        # The slots past the written ones are blocked already (segment id -1, or out of reach);
+        # saying so lets the core skip them (a decoding step then costs what the cache holds,
+        # not its capacity). They hold zeros or old keys, never NaN: nothing to zero first.
+        filled = mask_lib.lengths(key_value_seq_lengths=jnp.broadcast_to(written, (B,)), finite_past_lengths=True)
+        mask = filled if mask is None else filled & (mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
     out = dot_product_attention(
         q, k, v, bias, mask,
         scale=c.scale, is_causal=c.causal, local_window_size=c.window,

@@ -11,9 +11,13 @@ step compiles once.
 
 A layer writes the new keys into their slots in place (``lax.dynamic_update_slice`` at the
 write index; with the cache donated to a jitted step, see :func:`flax_attn.decode_step`, no
-copy of the cache is made) and attends over the whole cache: unwritten slots are masked by
-their segment id -1, and causal and window masks compare the stored positions, so nothing is
-concatenated and no mask is rebuilt beyond the ``(B, 1, T, S)`` comparison of positions.
+copy of the cache is made) and attends over the cache: unwritten slots are masked by their
+segment id -1, and causal and window masks compare the stored positions, so nothing is
+concatenated and no mask is rebuilt beyond the ``(B, 1, T, S)`` comparison of positions. The
+layer also tells the attention core how many slots are written (``min(length, max_len)``, as
+lengths whose slots past them hold zeros, never NaN): on CPU a decoding step then visits only
+the key blocks in use while at most half the cache is filled (``implementation='key_blocks'``),
+so a cache allocated for the longest generation costs what it holds, not its capacity.
 
 A linear cache (the default) holds ``max_len`` tokens and raises on overflow. A rolling cache
 (``rolling=True``) overwrites its oldest slots: for sliding-window attention it needs only

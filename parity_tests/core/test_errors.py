@@ -56,7 +56,7 @@ CASES = {
     "window not ints": (lambda: fa.dot_product_attention(Q, K, V, local_window_size=2.5), TypeError,
                         "local_window_size must be an int or a (left, right) pair of ints, got 2.5"),
     "unknown implementation": (lambda: fa.dot_product_attention(Q, K, V, implementation="pallas"), ValueError,
-                               "implementation must be one of ['pallas_decode', 'cudnn', 'splash', 'pallas_triton', "
+                               "implementation must be one of ['pallas_decode', 'cudnn', 'splash', 'pallas_triton', 'key_blocks', "
                                "'query_blocks', 'blockwise', 'xla'], got 'pallas'"),
     "dropout rate 1": (lambda: fa.dot_product_attention(Q, K, V, dropout_rate=1.0, dropout_rng=jax.random.key(0)),
                        ValueError, "dropout_rate must be in [0, 1), got 1.0"),

@@ -25,18 +25,21 @@ def _chosen(**kw):
     return registry.choose(_call(**kw)).name
 
 
-NAMES = ["pallas_decode", "cudnn", "splash", "pallas_triton", "query_blocks", "blockwise", "xla"]
+NAMES = ["pallas_decode", "cudnn", "splash", "pallas_triton", "key_blocks", "query_blocks", "blockwise", "xla"]
 
 
 def test_registry_order_and_names():
     assert registry.names() == NAMES  # the plain path serves everything, last
     if jax.default_backend() == "cpu":
-        assert [i.name for i in registry.available()] == ["query_blocks", "blockwise", "xla"]  # the kernels need GPU/TPU
+        assert [i.name for i in registry.available()] == ["key_blocks", "query_blocks", "blockwise", "xla"]  # the kernels need GPU/TPU
 
 
 def test_automatic_choice_on_cpu():
     assert _chosen() == "query_blocks"             # 8 query blocks of 128, key ranges known at trace time
     assert _chosen(T=1, S=1024) == "xla"      # one decoding step
+    in_use = np.array([300, 1000], np.int32)  # decoding over a cache of 8192 slots, its fill known at run time
+    assert _chosen(T=1, S=8192, key_value_seq_lengths=in_use) == "key_blocks"
+    assert _chosen(T=1, S=512, key_value_seq_lengths=in_use) == "xla"       # 512 keys make one block
     assert _chosen(T=64, S=64) == "xla"       # below the measured crossover
     assert _chosen(T=128, S=128) == "query_blocks"
     assert _chosen(T=2048, S=2048) == "query_blocks"      # 16 query blocks: the unrolled program's limit

@@ -1,0 +1,155 @@
+"""Key blocks (``implementation='key_blocks'``): the key blocks up to the longest row's key/value
+length, skipped past it at run time, or one plain pass when more than half the keys are in use.
+
+The conformance suite holds it to the float64 reference wherever a call has lengths (mostly
+the plain-pass branch there: its lengths are long); here the lengths are short, so the blocks
+run, on small blocks (4 keys: several blocks, the last one short), against the plain path in
+float64: outputs, log-sum-exp, gradients, forward mode and vmap. And a decoding loop over a
+KV cache: the layer gives the core its filled length, and the steps agree with the plain path.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_attn as fa
+from flax_attn.core import KeyBlocks, registry
+from flax_attn.core import mask as M
+from flax_attn.core.call import describe
+from conftest import assert_close
+
+B, T, N, K, S, H = 3, 2, 4, 2, 22, 8
+BLOCKS = KeyBlocks(block_k=4)
+
+
+def _inputs(seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape).astype(dtype))
+               for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+    bias = jnp.asarray(rng.standard_normal((B, N, T, S)).astype(dtype))
+    return q, k, v, bias
+
+
+# rows use 9, 0 and 5 of the 22 keys (the longest under half: the blocks run); the queries sit
+# at the end of each row's keys, as when decoding
+LENGTHS = np.array([9, 0, 5], np.int32)
+Q_POS = np.stack([np.arange(T) + max(n - T, 0) for n in LENGTHS]).astype(np.int32)
+K_POS = np.tile(np.arange(S, dtype=np.int32), (B, 1))
+FEATURES = {
+    "lengths": dict(),
+    "causal-positions": dict(is_causal=True, query_positions=Q_POS, key_positions=K_POS),
+    "window-softcap-sinks": dict(is_causal=True, local_window_size=(3, 0), query_positions=Q_POS,
+                                 key_positions=K_POS, logit_softcap=2.0, sinks=jnp.linspace(-1.0, 1.0, N)),
+    "segments-bias": dict(query_segment_ids=np.array([[0, 1], [0, 0], [1, 1]], np.int32),
+                          key_segment_ids=np.tile((np.arange(S) % 3 == 0).astype(np.int32), (B, 1)), bias=True),
+    "score_mod": dict(score_mod=lambda s, b, h, qi, ki: s - 0.1 * h * (qi - ki)),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
+def test_blocks_equal_the_plain_path_with_gradients(feature):
+    q, k, v, bias = _inputs()
+    kw = dict(FEATURES[feature])
+    use_bias = kw.pop("bias", False)
+
+    def f(impl):
+        def run(q, k, v, bias):
+            out, lse = fa.dot_product_attention(q, k, v, bias if use_bias else None, key_value_seq_lengths=LENGTHS,
+                                                return_residual=True, implementation=impl, **kw)
+            return out, jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return run
+
+    got, want = f(BLOCKS)(q, k, v, bias), f("xla")(q, k, v, bias)
+    for g, w, what in zip(got, want, ("out", "lse")):
+        assert_close(g, w, np.float64, f"{feature} {what}")
+    np.testing.assert_array_equal(got[0][1], 0.0)  # the row with no keys: zeros
+    loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a)[0] * jnp.cos(jnp.arange(H)))
+    grads = jax.grad(loss(BLOCKS), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, w, what in zip(grads, jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, bias), "qkvb"):
+        assert_close(g, w, np.float64, f"{feature} d{what}")
+    np.testing.assert_array_equal(grads[1][:, 9:], 0.0)  # keys past every length get no gradient
+
+
+def test_forward_mode_vmap_and_both_branches():
+    q, k, v, _ = _inputs(1)
+    run = lambda impl, n: lambda q, k, v: fa.dot_product_attention(q, k, v, key_value_seq_lengths=n,
+                                                                 implementation=impl)
+    tangents = tuple(jnp.ones_like(x) for x in (q, k, v))
+    for lengths in (LENGTHS, np.array([20, 3, 22], np.int32)):  # blocks; the plain pass (20 > 22 / 2)
+        got = jax.jvp(run(BLOCKS, lengths), (q, k, v), tangents)
+        want = jax.jvp(run("xla", lengths), (q, k, v), tangents)
+        for g, w in zip(got, want):
+            assert_close(g, w, np.float64, f"jvp, lengths {lengths}")
+    # vmapped over a stack of calls with their own lengths (each cond then runs both branches)
+    stack = np.stack([LENGTHS, np.array([20, 3, 22], np.int32)])
+    many = lambda impl: jax.vmap(lambda n: run(impl, n)(q, k, v))(stack)
+    assert_close(many(BLOCKS), many("xla"), np.float64, "vmap")
+
+
+def test_under_jit_the_lengths_are_run_time_values():
+    q, k, v, _ = _inputs(2, np.float32)
+    step = jax.jit(lambda q, k, v, n: fa.dot_product_attention(q, k, v, key_value_seq_lengths=n, implementation=BLOCKS))
+    for lengths in (np.array([1, 2, 3]), np.array([8, 4, 11]), np.array([22, 22, 22])):
+        want = fa.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="xla")
+        assert_close(step(q, k, v, jnp.asarray(lengths, jnp.int32)), want, np.float32, f"lengths {lengths}")
+    assert step._cache_size() == 1  # one program for every fill
+
+
+def test_finite_past_lengths_skips_the_zeroing_and_nan_needs_it():
+    q, k, v, _ = _inputs(3)
+    k_nan = k.at[:, 12:].set(jnp.nan)
+    lengths = np.array([9, 2, 12], np.int32)
+    want = fa.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="xla")
+    # the default lengths rule zeroes what lies past the lengths: NaN there never leaks
+    got = fa.dot_product_attention(q, k_nan, v, key_value_seq_lengths=lengths, implementation=BLOCKS)
+    assert_close(got, want, np.float64, "NaN past the lengths")
+    # finite_past_lengths promises finite values there (a cache's zeros): the same result, no zeroing pass
+    finite = M.lengths(key_value_seq_lengths=lengths, finite_past_lengths=True)
+    for impl in (BLOCKS, "xla", "blockwise"):
+        got = fa.dot_product_attention(q, k, v, mask=finite, implementation=impl)
+        assert_close(got, want, np.float64, f"finite_past_lengths, {impl}")
+    call = describe(q, k, v, mask=finite)
+    assert call.mask.key_visible() is None and describe(q, k, v, key_value_seq_lengths=lengths).mask.key_visible() is not None
+
+
+def test_automatic_choice_and_refusals():
+    def call(S, T=1, platform="cpu", lengths=True, **kw):
+        q = jax.ShapeDtypeStruct((8, T, 12, 64), jnp.float32)
+        k = jax.ShapeDtypeStruct((8, S, 12, 64), jnp.float32)
+        n = np.full((8,), 100, np.int32) if lengths else None
+        return describe(q, k, k, key_value_seq_lengths=n, platform=platform, **kw)
+
+    assert registry.choose(call(8192)).name == "key_blocks"   # 64 blocks of 128 keys over 96 units
+    assert registry.choose(call(8192, T=16)).name == "key_blocks"
+    assert registry.choose(call(8192, T=17)).name != "key_blocks"   # more rows than a decoding step
+    assert registry.choose(call(256)).name == "xla"             # one block: the plain pass
+    assert registry.choose(call(8192, lengths=False)).name == "xla"
+    assert registry.choose(call(8192, platform="gpu")).name != "key_blocks"
+    assert KeyBlocks()._block_k(call(8192)) == 128              # 96 units x 128 keys x (64 + 64) x 4 bytes = 6 MiB
+    with pytest.raises(ValueError, match="key_blocks' does not support calls without key/value lengths"):
+        fa.dot_product_attention(*_inputs()[:3], implementation="key_blocks")
+    with pytest.raises(ValueError, match="KeyBlocks block_k"):
+        KeyBlocks(block_k=0)
+
+
+def test_a_decoding_loop_over_a_large_cache_follows_the_plain_path():
+    """A layer decoding into a cache of 64 slots: the core gets the filled length, and key blocks
+    of 8 (the blocks while at most 32 slots are filled, then the plain pass) give the plain path's
+    outputs at every step."""
+    config = fa.AttentionConfig(d_model=16, num_heads=4, num_kv_heads=2, position="rope")
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 40, 16)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(40), (2, 40))
+    params = fa.Attention(config).init(jax.random.key(0), x[:, :4], positions[:, :4])
+    outs = {}
+    for impl in (KeyBlocks(block_k=8), "xla"):
+        layer = fa.Attention(config, implementation=impl)
+        cache = layer.init_cache(2, 64)
+        out, cache = layer.apply(params, x[:, :3], positions[:, :3], cache=cache)
+        pieces = [out]
+        for t in range(3, 40):
+            out, cache = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], cache=cache)
+            pieces.append(out)
+        outs[str(impl)] = jnp.concatenate(pieces, axis=1)
+    blocks, plain = outs.values()
+    assert_close(blocks, plain, np.float32, "key blocks vs plain, per step")
+    assert_close(plain, fa.Attention(config).apply(params, x, positions), np.float32, "decode vs the full pass")
