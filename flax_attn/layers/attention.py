@@ -34,6 +34,8 @@ with the parameter specs of :func:`attention_params`; :class:`Attention` (Linen)
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -530,18 +532,17 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
         mask_key_positions = key_positions
     if mask_segments == ():
         mask_segments = key_segments
+    rules = []
     if c.chunk_size is not None:  # Llama 4: a query sees keys of its own chunk, position // chunk_size
-        chunks = mask_lib.chunked(c.chunk_size)
-        if mask is None:
-            mask = chunks
-        else:
-            mask = chunks & (mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
+        rules.append(mask_lib.chunked(c.chunk_size))
     if written is not None and getattr(mask, "kv_lengths", None) is None:
         # The slots past the written ones are blocked already (segment id -1, or out of reach);
         # saying so lets the core skip them (a decoding step then costs what the cache holds,
         # not its capacity). They hold zeros or old keys, never NaN: nothing to zero first.
-        filled = mask_lib.lengths(key_value_seq_lengths=jnp.broadcast_to(written, (B,)), finite_past_lengths=True)
-        mask = filled if mask is None else filled & (mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
+        rules.append(mask_lib.lengths(key_value_seq_lengths=jnp.broadcast_to(written, (B,)), finite_past_lengths=True))
+    if mask is not None:
+        rules.append(mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
+    mask = functools.reduce(operator.and_, rules) if rules else None
     out = dot_product_attention(
         q, k, v, bias, mask,
         scale=c.scale, is_causal=c.causal, local_window_size=c.window,

@@ -143,11 +143,11 @@ def test_a_decoding_loop_over_a_large_cache_follows_the_plain_path():
     outs = {}
     for impl in (KeyBlocks(block_k=8), "xla"):
         layer = fa.Attention(config, implementation=impl)
-        cache = layer.init_cache(2, 64)
-        out, cache = layer.apply(params, x[:, :3], positions[:, :3], cache=cache)
+        step = jax.jit(lambda cache, x, positions: layer.apply(params, x, positions, cache=cache))
+        out, cache = step(layer.init_cache(2, 64), x[:, :3], positions[:, :3])
         pieces = [out]
         for t in range(3, 40):
-            out, cache = layer.apply(params, x[:, t:t + 1], positions[:, t:t + 1], cache=cache)
+            out, cache = step(cache, x[:, t:t + 1], positions[:, t:t + 1])
             pieces.append(out)
         outs[str(impl)] = jnp.concatenate(pieces, axis=1)
     blocks, plain = outs.values()
