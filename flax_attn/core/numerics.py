@@ -104,23 +104,30 @@ def group_heads(x, K: int):
 
 
 def _softmax_terms(logits, allowed, axis: int = -1, name=None):
-    """What a masked softmax is built from: ``ok`` (allowed and not ``-inf``), ``e = exp(filled -
-    m)``, the row maxima ``m`` and sums ``total`` (named ``name`` under differentiation, if
-    given), and whether a row has any allowed entry."""
-    ok = logits != -jnp.inf
-    if allowed is not None:
-        ok = ok & allowed
-    # Blocked entries get the most negative finite value: exp underflows to 0 beside any allowed
-    # entry, and a row with none gives a finite uniform row, zeroed by the caller.
-    filled = jnp.where(ok, logits, jnp.finfo(logits.dtype).min)
-    m = jax.lax.stop_gradient(jnp.max(filled, axis=axis, keepdims=True))
+    """What a masked softmax is built from: ``(e, inv, lse)``, with ``e = exp(filled - m)``
+    (blocked entries exactly 0), ``inv = 1 / total`` in a row with an allowed entry above
+    ``-inf`` (``total > 0``) and 0 in any other, and the log-sum-exp (``-inf`` in such a row).
+    The row maxima ``m`` and sums ``total`` are named ``name`` under differentiation, if given.
+
+    Blocked entries become ``-inf``, so ``exp`` gives exactly 0 beside the row's maximum (whose
+    own term is 1, so ``total >= 1`` in a row with any allowed finite entry); a row with nothing
+    allowed takes ``m = 0`` and gives ``e = 0``, ``total = 0``. No division or logarithm sees a
+    zero sum, so reverse mode has no ``0 * inf`` to make NaN of.
+    """
+    filled = logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+    m = jnp.max(filled, axis=axis, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, 0, m))
     if name is not None:
         m = ad_checkpoint.checkpoint_name(m, name)
     e = jnp.exp(filled - m)
     total = jnp.sum(e, axis=axis, keepdims=True)
     if name is not None:
         total = ad_checkpoint.checkpoint_name(total, name)
-    return ok, e, m, total, jnp.any(ok, axis=axis, keepdims=True)
+    some = total > 0
+    safe = jnp.where(some, total, 1)
+    inv = jnp.where(some, 1 / safe, 0)
+    lse = jnp.where(some, m + jnp.log(safe), -jnp.inf)
+    return e, inv, jnp.squeeze(lse, axis)
 
 
 def softmax_parts(logits, allowed=None, axis: int = -1):
@@ -129,10 +136,8 @@ def softmax_parts(logits, allowed=None, axis: int = -1):
     Returns ``(weights, lse)``: a row with nothing allowed has weights 0 (gradient 0, never
     NaN) and ``lse = -inf``.
     """
-    ok, e, m, total, some = _softmax_terms(logits, allowed, axis)
-    weights = e / total * some.astype(e.dtype)
-    lse = jnp.where(some, m + jnp.log(total), -jnp.inf)
-    return weights, jnp.squeeze(lse, axis)
+    e, inv, lse = _softmax_terms(logits, allowed, axis)
+    return e * inv, lse
 
 
 SOFTMAX_STATS = "flax_attn_softmax_stats"
@@ -163,9 +168,14 @@ def softmax_values(logits, allowed, values, precision=None):
     over the logits where differentiating the softmax itself takes about seven. ``P`` comes from
     ``m`` and ``Z`` rather than from ``exp(s - lse)``: at logits near 6e4 in float32 ``s - lse``
     loses the low bits that ``s - m`` keeps.
+
+    The rows are normalised after the matmul, ``(exp(s - m) @ values) / Z``: one pass over the
+    ``(R, Hv)`` outputs instead of one over the ``(R, S)`` weights (GPT-2-small's causal core in
+    query blocks, 8 x 12 heads x 1024 tokens, float32, a 2-core AMD EPYC: forward 0.144 ->
+    0.138 s, forward+backward 0.575 -> 0.562 s, medians of runs in turns in one process).
     """
-    weights, lse = softmax_parts(logits, allowed)
-    return _weighted_values(weights, values, precision, logits.dtype), lse
+    e, inv, lse = _softmax_terms(logits, allowed)
+    return _weighted_values(e, values, precision, logits.dtype) * inv, lse
 
 
 def _weighted_values(weights, values, precision, acc):
@@ -177,16 +187,18 @@ def _weighted_values(weights, values, precision, acc):
 def _softmax_values_jvp(precision, primals, tangents):
     logits, allowed, values = primals
     d_logits, _, d_values = tangents
-    ok, e, m, total, some = _softmax_terms(logits, allowed, name=SOFTMAX_STATS)
-    weights = jnp.where(ok, e * (1 / total), 0)
-    lse = m + jnp.log(total)
-    out = _weighted_values(weights, values, precision, logits.dtype)
+    e, inv, lse = _softmax_terms(logits, allowed, name=SOFTMAX_STATS)
+    out = _weighted_values(e, values, precision, logits.dtype) * inv
+    weights = e * inv
+    ok = logits != -jnp.inf  # a tangent at a blocked or -inf logit takes no part, even if not finite
+    if allowed is not None:
+        ok = ok & allowed
     # d out = dP v + P dv, dP = P * (ds - rowsum(P * ds)); d lse = rowsum(P * ds)
     pds = weights * jnp.where(ok, d_logits, 0)
     d_lse = jnp.sum(pds, axis=-1, keepdims=True)
     d_out = (_weighted_values(pds - weights * d_lse, values, precision, logits.dtype)
              + _weighted_values(weights, d_values, precision, logits.dtype))
-    return (out, jnp.where(some, lse, -jnp.inf)[..., 0]), (d_out, d_lse[..., 0])
+    return (out, lse), (d_out, d_lse[..., 0])
 
 
 def masked_softmax(logits, mask=None, axis: int = -1):

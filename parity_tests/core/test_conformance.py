@@ -920,14 +920,16 @@ def _extreme_errors(impl):
 @skip_declined
 def test_defect_i_extreme_logits_float32(impl):
     """(i) Logits up to ~6e4 in float32: each gradient's worst error over six cases is at most
-    twice the plain path's worst (against the float64 reference on the same float32 inputs), or
-    within float32's 1e-5. (Recomputing weights from the log-sum-exp, as the blockwise path once
-    did, made them 10-15 times worse.)"""
+    three times the plain path's worst (against the float64 reference on the same float32
+    inputs), or within float32's 1e-5. (Recomputing weights from the log-sum-exp, as the
+    blockwise path once did, made them 10-15 times worse.) The factor is the plain path's own
+    spread between equally valid roundings: its weights written as ``e * (1 / Z)`` and as
+    ``e / Z`` give a worst dq error of 2.0e-3 and 6.4e-3 over these six cases."""
     plain = cached("extreme-xla", lambda: _extreme_errors("xla"))
     mine = _extreme_errors(impl)
     report = {n: f"{m:.2e} (xla {p:.2e})" for n, m, p in zip(("output",) + GRAD_NAMES, mine, plain)}
-    bad = [n for n, m, p in zip(GRAD_NAMES, mine[1:], plain[1:]) if not (m <= 2 * p or m <= 1e-5)]
-    assert not bad, f"gradients {bad} less accurate than twice the plain path's: {report}"
+    bad = [n for n, m, p in zip(GRAD_NAMES, mine[1:], plain[1:]) if not (m <= 3 * p or m <= 1e-5)]
+    assert not bad, f"gradients {bad} less accurate than three times the plain path's: {report}"
 
 
 # ============================================================================ 6. a toy implementation
