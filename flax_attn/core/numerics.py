@@ -106,7 +106,7 @@ def group_heads(x, K: int):
 def _softmax_terms(logits, allowed, axis: int = -1, name=None):
     """What a masked softmax is built from: ``(e, inv, lse)``, with ``e = exp(filled - m)``
     (blocked entries exactly 0), ``inv = 1 / total`` in a row with an allowed entry above
-    ``-inf`` (``total > 0``) and 0 in any other, and the log-sum-exp (``-inf`` in such a row).
+    ``-inf`` (``total != 0``) and 0 in any other, and the log-sum-exp (``-inf`` in such a row).
     The row maxima ``m`` and sums ``total`` are named ``name`` under differentiation, if given.
 
     Blocked entries become ``-inf``, so ``exp`` gives exactly 0 beside the row's maximum (whose
@@ -123,7 +123,7 @@ def _softmax_terms(logits, allowed, axis: int = -1, name=None):
     total = jnp.sum(e, axis=axis, keepdims=True)
     if name is not None:
         total = ad_checkpoint.checkpoint_name(total, name)
-    some = total > 0
+    some = total != 0  # a NaN sum counts as some: NaN reaches the weights and the log-sum-exp
     safe = jnp.where(some, total, 1)
     inv = jnp.where(some, 1 / safe, 0)
     lse = jnp.where(some, m + jnp.log(safe), -jnp.inf)

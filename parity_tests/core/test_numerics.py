@@ -155,6 +155,19 @@ def test_softmax_values_derivatives_equal_the_softmaxs():
     np.testing.assert_array_equal(d_logits[0, 1, 2], 0.0)
 
 
+def test_a_nan_or_inf_logit_is_not_hidden():
+    """A NaN or +inf logit makes its row's weights, output and log-sum-exp NaN (it is not taken
+    for a row that sees nothing, whose zeros and -inf are for rows with no allowed logit)."""
+    from flax_attn.core.numerics import softmax_parts, softmax_values
+    logits = jnp.zeros((3, 4)).at[0, 1].set(jnp.nan).at[1, 2].set(jnp.inf)
+    values = jnp.ones((4, 2))
+    weights, lse = softmax_parts(logits)
+    out, lse2 = softmax_values(logits, None, values)
+    for got in (weights, lse, out, lse2):
+        assert np.isnan(np.asarray(got)[:2]).all(), got
+        assert np.isfinite(np.asarray(got)[2]).all(), got
+
+
 def test_softmax_values_checkpoint_keeps_row_statistics():
     """Under jax.checkpoint with the SOFTMAX_STATS policy, reverse mode recomputes the weights
     from the kept row maxima and sums: one max over the logits in the whole gradient program
