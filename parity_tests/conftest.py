@@ -18,10 +18,14 @@ float64 1e-12, float32 1e-5).
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
 import jax
+
+# benchmarks/ is not installed: the tests of its plumbing import it from the repository root
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def _accepted_flags(candidates=("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")):

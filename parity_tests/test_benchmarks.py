@@ -1,14 +1,10 @@
 """The benchmark's plumbing for platforms this machine does not have: which implementations the
 GPT-2 layer benchmark times on each (every registered one that runs there and serves the call;
 the others are listed with their reason). The timing itself runs in test_examples.py's smoke run."""
-import pathlib
-import sys
-
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/ is not installed
-from benchmarks.run import layer_implementations  # noqa: E402
+from benchmarks.run import layer_implementations  # the repository root is on sys.path (conftest.py)
 
 SHAPE = (8, 1024, 12, 64)  # B, T, N, H of the GPT-2-small layer
 

@@ -186,13 +186,7 @@ def test_steps_keep_to_their_segment():
 
 def test_benchmark_rows_and_report():
     # benchmarks/decode.py at the smallest cell it runs: the contenders agree before timing
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "decode.py"
-    spec = importlib.util.spec_from_file_location("benchmarks_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks import decode as bench  # the repository root is on sys.path (conftest.py)
 
     rows = bench.cell(batch=1, prefix=64, repeats=1)
     assert {"flax_attn BKSH", "flax_attn BSKH", "torch eager"} <= {r["contender"] for r in rows}
