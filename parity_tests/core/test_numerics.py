@@ -168,6 +168,23 @@ def test_a_nan_or_inf_logit_is_not_hidden():
         assert np.isfinite(np.asarray(got)[2]).all(), got
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_weighted_values_is_the_matmul(rows, platform):
+    """weighted_values (one row computed beside a row of zeros on CPU) is the batched matmul,
+    outputs and gradients, whatever the platform it is told."""
+    from flax_attn.core.numerics import weighted_values
+    rng = np.random.default_rng(5)
+    w, v = jnp.asarray(rng.random((4, rows, 9))), jnp.asarray(rng.standard_normal((4, 9, 3)))
+    got = lambda w, v: weighted_values(w, v, None, jnp.float64, platform)
+    want = lambda w, v: jnp.einsum("urs,ush->urh", w, v)
+    assert got(w, v).shape == (4, rows, 3)
+    np.testing.assert_allclose(got(w, v), want(w, v), rtol=1e-13)
+    ct = jnp.asarray(rng.standard_normal((4, rows, 3)))
+    for g, e in zip(jax.vjp(got, w, v)[1](ct), jax.vjp(want, w, v)[1](ct)):
+        np.testing.assert_allclose(g, e, rtol=1e-13)
+
+
 def test_softmax_values_checkpoint_keeps_row_statistics():
     """Under jax.checkpoint with the SOFTMAX_STATS policy, reverse mode recomputes the weights
     from the kept row maxima and sums: one max over the logits in the whole gradient program
