@@ -126,7 +126,8 @@ class KeyBlocks(Implementation):
                     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing allowed yet
                     p = jnp.exp(s - shift)
                     rescale = jnp.exp(m - shift)
-                    pv = numerics.weighted_values(p.astype(value.dtype), vj, call.precision, acc, call.platform)
+                    pv = jnp.einsum("urk,ukh->urh", p.astype(value.dtype), vj, precision=call.precision,
+                                    preferred_element_type=acc)
                     return m_new, l * rescale + jnp.sum(p, axis=-1, keepdims=True), o * rescale + pv
                 return lax.cond(j < blocks, step, lambda state: state, state), None
 

@@ -175,12 +175,7 @@ def softmax_values(logits, allowed, values, precision=None):
     0.138 s, forward+backward 0.575 -> 0.562 s, medians of runs in turns in one process).
     """
     e, inv, lse = _softmax_terms(logits, allowed)
-    return _weighted_values(e, values, precision, logits.dtype) * inv, lse
-
-
-def _weighted_values(weights, values, precision, acc):
-    return jnp.einsum("...rk,...kh->...rh", weights.astype(values.dtype), values, precision=precision,
-                      preferred_element_type=acc)
+    return weighted_values(e, values, precision, logits.dtype) * inv, lse
 
 
 @softmax_values.defjvp
@@ -188,7 +183,7 @@ def _softmax_values_jvp(precision, primals, tangents):
     logits, allowed, values = primals
     d_logits, _, d_values = tangents
     e, inv, lse = _softmax_terms(logits, allowed, name=SOFTMAX_STATS)
-    out = _weighted_values(e, values, precision, logits.dtype) * inv
+    out = weighted_values(e, values, precision, logits.dtype) * inv
     weights = e * inv
     ok = logits != -jnp.inf  # a tangent at a blocked or -inf logit takes no part, even if not finite
     if allowed is not None:
@@ -196,27 +191,35 @@ def _softmax_values_jvp(precision, primals, tangents):
     # d out = dP v + P dv, dP = P * (ds - rowsum(P * ds)); d lse = rowsum(P * ds)
     pds = weights * jnp.where(ok, d_logits, 0)
     d_lse = jnp.sum(pds, axis=-1, keepdims=True)
-    d_out = (_weighted_values(pds - weights * d_lse, values, precision, logits.dtype)
-             + _weighted_values(weights, d_values, precision, logits.dtype))
+    d_out = (weighted_values(pds - weights * d_lse, values, precision, logits.dtype)
+             + weighted_values(weights, d_values, precision, logits.dtype))
     return (out, lse), (d_out, d_lse[..., 0])
 
 
-def weighted_values(weights, values, precision, acc, platform: str):
-    """``weights (U, R, S) @ values (U, S, Hv)`` in ``acc``: the values' matmul of the plain path
-    and of the key blocks, ``weights`` already in the values' dtype.
+ONE_ROW_PAD_KEYS = 4096
+"""From this many keys on, a one-row values' matmul on CPU runs beside a row of zeros
+(:func:`weighted_values`)."""
 
-    On CPU a single row (``R = 1``: one query per key/value head, a multi-head decoding step) is
-    computed beside a row of zeros: XLA compiles a one-row batched matmul to a matrix-vector
-    kernel that read the values at 13-15 GB/s where its two-row matmul read 23 (96 units of 8,370
-    keys of 64, float32, a 2-core AMD EPYC). A decoding step of a 768-wide, 12-head layer over
-    8,192 cached tokens, in two A/B runs (in turns in one process): 34.9 -> 30.7 and 36.6 -> 32.8
-    ms at batch 8, 4.7 -> 4.0 and 5.7 -> 5.7 ms at batch 1; over 1,024 tokens within the noise
-    (batch 8: 5.5 -> 5.3 and 5.6 -> 6.1 ms; batch 1: 0.79 -> 0.81 and 1.04 -> 0.93 ms).
+
+def weighted_values(weights, values, precision, acc, platform=None):
+    """``weights (..., R, S) @ values (..., S, Hv)`` in ``acc``, the weights cast to the values'
+    dtype: the values' matmul of the plain path and of :func:`softmax_values`.
+
+    On CPU (``platform='cpu'``) a single row (``R = 1``: one query per key/value head, a
+    multi-head decoding step) over at least :data:`ONE_ROW_PAD_KEYS` keys is computed beside a
+    row of zeros: XLA compiles a one-row batched matmul to a matrix-vector kernel that read the
+    values at 13-15 GB/s where its two-row matmul read 23 (96 units of 8,370 keys of 64,
+    float32, a 2-core AMD EPYC). A decoding step of a 768-wide, 12-head layer over 8,192 cached
+    tokens, in two A/B runs (in turns in one process): 34.9 -> 30.7 and 36.6 -> 32.8 ms at batch
+    8, 4.7 -> 4.0 and 5.7 -> 5.7 ms at batch 1. With fewer keys the two-row kernel is no faster
+    (96 units of 1,202 keys alone: 1.49 -> 1.86 ms), so the key blocks (128 to 512 keys a block)
+    keep the one-row matmul.
     """
-    one_row = platform == "cpu" and weights.shape[-2] == 1
+    weights = weights.astype(values.dtype)
+    one_row = platform == "cpu" and weights.shape[-2] == 1 and weights.shape[-1] >= ONE_ROW_PAD_KEYS
     if one_row:
         weights = jnp.concatenate([weights, jnp.zeros_like(weights)], axis=-2)
-    out = jnp.einsum("urs,ush->urh", weights, values, precision=precision, preferred_element_type=acc)
+    out = jnp.einsum("...rk,...kh->...rh", weights, values, precision=precision, preferred_element_type=acc)
     return out[..., :1, :] if one_row else out
 
 

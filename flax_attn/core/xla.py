@@ -35,8 +35,8 @@ class XLA(Implementation):
         weights, lse = numerics.softmax_parts(logits, allowed)
         if call.dropout_rate > 0.0:
             weights = numerics.dropout(weights, call.dropout_rate, dropout_rng)
-        out = numerics.weighted_values(weights.astype(value.dtype).reshape(U, G * T, S), units(value),
-                                       call.precision, acc, call.platform)
+        out = numerics.weighted_values(weights.reshape(U, G * T, S), units(value), call.precision, acc,
+                                       call.platform)
         out = numerics.ungroup(out.reshape(B, K, G, T, -1)).astype(query.dtype)
         return Result(
             out=out,
