@@ -126,8 +126,8 @@ class KeyBlocks(Implementation):
                     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing allowed yet
                     p = jnp.exp(s - shift)
                     rescale = jnp.exp(m - shift)
-                    pv = jnp.einsum("urk,ukh->urh", p.astype(value.dtype), vj, precision=call.precision,
-                                    preferred_element_type=acc)
+                    # the one-row matmul, not the CPU two-row form: blocks are shorter than ONE_ROW_PAD_KEYS
+                    pv = numerics.weighted_values(p, vj, call.precision, acc)
                     return m_new, l * rescale + jnp.sum(p, axis=-1, keepdims=True), o * rescale + pv
                 return lax.cond(j < blocks, step, lambda state: state, state), None
 
