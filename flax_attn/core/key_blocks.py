@@ -54,18 +54,24 @@ class KeyBlocks(Implementation):
         filled; 2.5 ms at batch 1 and 18.5 ms at batch 8 over the whole cache): batch 1, 128 /
         256 / 512 / 1,024 keys a block: 1.38 / 1.24 / 1.04 / 1.49 ms a step; batch 8, 64 / 128
         / 256 keys: 6.9 / 5.6 / 6.1 ms.
-      max_rows: the automatic choice takes it on CPU for at most this many query rows per
-        key/value head (``G * T``: decoding and short speculative steps) ...
+      max_queries: the automatic choice takes it on CPU for at most this many query tokens
+        (T: decoding and short speculative steps), whatever the number of query heads per
+        key/value head: more rows per block only make each block's matmul larger. On a 2-core
+        AMD EPYC, multi-query attention of 128 heads 576 wide over 1,025 of 8,192 slots (an
+        absorbed multi-head latent attention step), plain path against key blocks: batch 1,
+        T = 1: 18.8 / 3.1 ms; batch 8, T = 1: 158 / 30 ms; batch 8, T = 16: 2,094 / 404 ms;
+        grouped 32 heads over 4 (batch 8, 64 wide), T = 1 / 16: 46 / 32 ms and 231 / 66 ms;
+        past half the cache both take the plain pass (within 2%) ...
       min_blocks: ... when the keys make at least this many blocks.
     """
 
     name: str = "key_blocks"
     block_k: Optional[int] = None
-    max_rows: int = 16
+    max_queries: int = 16
     min_blocks: int = 4
 
     def __post_init__(self):
-        for field in ("block_k", "max_rows", "min_blocks"):
+        for field in ("block_k", "max_queries", "min_blocks"):
             value = getattr(self, field)
             if value is not None:
                 _checks.check_positive_int(f"KeyBlocks {field}", value)
@@ -79,7 +85,7 @@ class KeyBlocks(Implementation):
         return reason
 
     def preferred(self, call) -> bool:
-        return (call.platform == "cpu" and call.G * call.T <= self.max_rows
+        return (call.platform == "cpu" and call.T <= self.max_queries
                 and call.S >= self.min_blocks * self._block_k(call))
 
     def _block_k(self, call) -> int:

@@ -34,8 +34,6 @@ with the parameter specs of :func:`attention_params`; :class:`Attention` (Linen)
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -46,7 +44,7 @@ from jax import lax
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 from flax_attn.core import mask as mask_lib
-from flax_attn.layers.cache import ContextKV, KVCache
+from flax_attn.layers.cache import ContextKV, KVCache, combined_mask, one_query_key_positions
 from flax_attn.layers.common import (ParamSpec, check_floating, declare, declared, dense, dropout_rng,
                                      linear_params, norm, norm_params, rms_norm, scale_params, embed_params)
 from flax_attn.positional import alibi as alibi_lib
@@ -56,7 +54,6 @@ from flax_attn.positional import t5 as t5_lib
 POSITIONS = ("rope", "alibi", "t5", "none")
 QK_NORM_TYPES = ("rms", "layer")
 QK_NORM_SCOPES = ("head", "per_head", "projection")
-_OUT_OF_REACH = 1 << 30  # a key position no causal or window rule admits (positions stay below 2**29)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,8 +506,7 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
                 # positions, a slot it may not see moving out of reach of the causal/window rule
                 # (and into another chunk). The core then needs no segment ids and zeroes no cached
                 # keys (a pass over the cache).
-                same = (key_segments == segment_ids) & (key_segments >= 0)
-                mask_key_positions = jnp.where(same, key_positions, _OUT_OF_REACH)
+                mask_key_positions = one_query_key_positions(key_positions, key_segments, segment_ids)
                 mask_segments = None
         else:
             # A rolling cache too small to keep what these queries see: cached slots, then new keys.
@@ -532,17 +528,9 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
         mask_key_positions = key_positions
     if mask_segments == ():
         mask_segments = key_segments
-    rules = []
-    if c.chunk_size is not None:  # Llama 4: a query sees keys of its own chunk, position // chunk_size
-        rules.append(mask_lib.chunked(c.chunk_size))
-    if written is not None and getattr(mask, "kv_lengths", None) is None:
-        # The slots past the written ones are blocked already (segment id -1, or out of reach);
-        # saying so lets the core skip them (a decoding step then costs what the cache holds,
-        # not its capacity). They hold zeros or old keys, never NaN: nothing to zero first.
-        rules.append(mask_lib.lengths(key_value_seq_lengths=jnp.broadcast_to(written, (B,)), finite_past_lengths=True))
-    if mask is not None:
-        rules.append(mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
-    mask = functools.reduce(operator.and_, rules) if rules else None
+    # Llama 4's chunk rule: a query sees keys of its own chunk, position // chunk_size
+    chunk = [] if c.chunk_size is None else [mask_lib.chunked(c.chunk_size)]
+    mask = combined_mask(chunk, mask, written=written, batch=B)
     out = dot_product_attention(
         q, k, v, bias, mask,
         scale=c.scale, is_causal=c.causal, local_window_size=c.window,

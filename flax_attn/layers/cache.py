@@ -47,6 +47,8 @@ keeps the first ``length`` tokens (e.g. to rewind rejected draft tokens in specu
 """
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 import flax.struct
@@ -55,9 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_attn import _checks
+from flax_attn.core import mask as mask_lib
 
 
 LAYOUTS = ("BSKH", "BKSH")
+OUT_OF_REACH = 1 << 30  # a key position no causal or window rule admits (positions stay below 2**29)
 
 
 @flax.struct.dataclass
@@ -245,6 +249,38 @@ def truncate_slots(cache, length, **fills):
         return jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf, jnp.asarray(fill, buf.dtype))
 
     return cache.replace(length=length, **{name: empty(getattr(cache, name), fill) for name, fill in fills.items()})
+
+
+def one_query_key_positions(key_positions, key_segments, segment_ids):
+    """Key positions ``(B, S)`` for one query per row ``(B, 1)`` under a causal or window rule:
+    a slot the query may not see by its segment rule (another segment, padding, an unwritten
+    slot: segment id -1) moved out of reach of every such rule. The call then needs no segment
+    ids, so the core zeroes no cached keys (a pass over the whole cache)."""
+    same = (key_segments == segment_ids) & (key_segments >= 0)
+    return jnp.where(same, key_positions, OUT_OF_REACH)
+
+
+def combined_mask(rules, mask, *, written=None, batch=None):
+    """One mask description (:mod:`flax_attn.core.mask`) for attending over a cache, or None.
+
+    Args:
+      rules: mask descriptions to include (e.g. a chunk rule).
+      mask: the caller's mask: a description, a boolean array broadcastable to ``(B, N, T, S)``
+        (True = may attend), or None.
+      written: with a cache attended over in place, how many leading slots hold tokens (int32
+        scalar). The slots past them are blocked already (segment id -1, or out of reach) and
+        hold zeros or old keys, never NaN; saying so with a ``finite_past_lengths`` rule lets
+        the core skip them (a decoding step costs what the cache holds, not its capacity) and
+        zero nothing. Left out when ``mask`` gives key/value lengths of its own.
+      batch: B, with ``written``.
+    """
+    rules = list(rules)
+    if written is not None and getattr(mask, "kv_lengths", None) is None:
+        rules.append(mask_lib.lengths(key_value_seq_lengths=jnp.broadcast_to(written, (batch,)),
+                                      finite_past_lengths=True))
+    if mask is not None:
+        rules.append(mask if isinstance(mask, mask_lib.Mask) else mask_lib.dense(mask))
+    return functools.reduce(operator.and_, rules) if rules else None
 
 
 @flax.struct.dataclass

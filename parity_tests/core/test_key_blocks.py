@@ -121,7 +121,12 @@ def test_automatic_choice_and_refusals():
 
     assert registry.choose(call(8192)).name == "key_blocks"   # 64 blocks of 128 keys over 96 units
     assert registry.choose(call(8192, T=16)).name == "key_blocks"
-    assert registry.choose(call(8192, T=17)).name != "key_blocks"   # more rows than a decoding step
+    assert registry.choose(call(8192, T=17)).name != "key_blocks"   # more queries than a decoding step
+    # multi-query attention, 128 heads over one latent key (absorbed MLA): 128 rows, one query
+    mqa = describe(jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.float32), jax.ShapeDtypeStruct((2, 8192, 1, 576), jnp.float32),
+                   jax.ShapeDtypeStruct((2, 8192, 1, 576), jnp.float32), key_value_seq_lengths=np.full((2,), 100, np.int32),
+                   platform="cpu")
+    assert registry.choose(mqa).name == "key_blocks"
     assert registry.choose(call(256)).name == "xla"             # one block: the plain pass
     assert registry.choose(call(8192, lengths=False)).name == "xla"
     assert registry.choose(call(8192, platform="gpu")).name != "key_blocks"

@@ -127,6 +127,33 @@ def test_prefill_and_steps_equal_full_pass(absorb):
     assert_close(cache.k_pe[:, :T], np.where(real, t_cache["k_pe"].detach().numpy(), 0), np.float64, "cached k_pe")
 
 
+@pytest.mark.parametrize("absorb", [False, True], ids=["plain", "absorbed"])
+def test_decoding_over_a_large_cache_by_key_blocks(absorb):
+    # A 64-slot cache filled to 40: the core is told the filled length (finite past it), a
+    # one-token step folds its segment rule into the key positions, and key blocks of 8 (blocks
+    # while at most 32 slots are filled, then the plain pass) give the full pass's outputs.
+    # Row 1 starts with 2 padding tokens and pads one decoding step (segment id -1).
+    from flax_attn.core.key_blocks import KeyBlocks
+
+    config = MLAConfig(**BASE, q_lora_rank=6, absorb=absorb)
+    params = params_of(config)["params"]
+    T, P = 40, 3
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, T, D)))
+    segments = np.zeros((2, T), np.int32)
+    segments[1, :2] = segments[1, 20] = -1
+    positions = np.broadcast_to(np.arange(T), (2, T))
+    full = mla_forward(MLAConfig(**BASE, q_lora_rank=6), params, x, positions, segments)
+    step = jax.jit(lambda c, a, p, s: mla_forward(config, params, a, p, s, cache=c,
+                                                  implementation=KeyBlocks(block_k=8))[::-1])
+    cache, out = step(config.init_cache(2, 64, dtype=jnp.float64), x[:, :P], positions[:, :P], segments[:, :P])
+    outs = [out]
+    for i in range(P, T):
+        cache, out = step(cache, x[:, i:i + 1], positions[:, i:i + 1], segments[:, i:i + 1])
+        outs.append(out)
+    assert_close(jnp.concatenate(outs, axis=1), full, np.float64, "key-block steps vs full pass")
+    np.testing.assert_array_equal(np.asarray(cache.latent[1, 20]), 0.0)  # the padded step cached zeros
+
+
 def test_cache_memory_per_token():
     # DeepSeek-V3: N = 128, d_n = 128, d_r = 64, d_v = 128, r_kv = 512. The latent cache holds
     # r_kv + d_r = 576 numbers per token (the paper's (d_c + d_h^R) = 4.5 d_h, d_h = 128); every
@@ -137,7 +164,7 @@ def test_cache_memory_per_token():
     latent = jax.eval_shape(lambda: v3.init_cache(1, S, dtype=jnp.bfloat16))
     full = jax.eval_shape(lambda: fa.KVCache.create(batch=1, max_len=S, num_kv_heads=128, head_dim=192,
                                                     value_dim=128, dtype=jnp.bfloat16))
-    latent_bytes = (latent.c_kv.size + latent.k_pe.size) * 2 / S
+    latent_bytes = latent.latent.size * 2 / S  # [c_kv, k_pe] side by side
     full_bytes = (full.key.size + full.value.size) * 2 / S
     assert latent_bytes == 576 * 2 == 4.5 * 128 * 2
     assert full_bytes == 40960 * 2
