@@ -89,7 +89,7 @@ def _torch_layer_class():
     return TorchDecodeLayer
 
 
-def _time_in_turns(fns: dict, repeats: int, warmup: int = 1) -> dict:
+def time_in_turns(fns: dict, repeats: int, warmup: int = 1) -> dict:
     """Median seconds of each zero-argument function, every round in a new random order."""
     for fn in fns.values():
         for _ in range(warmup):
@@ -185,7 +185,7 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0) -> list[dict]
     fns["torch eager"] = torch_run
     if threads > 1:  # on a shared machine one thread can beat several: the faster one is the peer
         fns["torch eager 1 thread"] = lambda: torch_run(num_threads=1)
-    seconds = _time_in_turns(fns, repeats)
+    seconds = time_in_turns(fns, repeats)
     torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / STEPS
     rows = []
     fill = prefix + 1 + (repeats + 1) * STEPS // 2  # the fill level at the middle of the run
@@ -216,12 +216,15 @@ def machine() -> dict:
     return {"cpu": cpu.name(), "cores": os.cpu_count(), "load_1_5_15": [round(v, 2) for v in load]}
 
 
-def report(rows: list[dict]) -> str:
-    """A Markdown table of :func:`run`'s rows: time per step and per token, memory floor, GB/s,
-    ratio to the faster PyTorch eager row of the cell (below 1.0: faster than PyTorch)."""
+TITLE = f"KV-cache decode step, d_model {D_MODEL}, {HEADS} heads, RoPE, float32"
+
+
+def report(rows: list[dict], title: str = TITLE) -> str:
+    """A Markdown table of :func:`run`'s rows (or :func:`benchmarks.decode_mla.cell`'s): time per
+    step and per token, memory floor, GB/s, ratio to the faster PyTorch eager row of the cell
+    (below 1.0: faster than PyTorch), under ``title`` and the machine."""
     m = machine()
-    lines = [f"KV-cache decode step, d_model {D_MODEL}, {HEADS} heads, RoPE, float32; CPU {m['cpu']} "
-             f"({m['cores']} cores, shared: load {m['load_1_5_15']})", "",
+    lines = [f"{title}; CPU {m['cpu']} ({m['cores']} cores, shared: load {m['load_1_5_15']})", "",
              "| batch | prefix | cache slots | contender | ms/step | ms/token | floor MB/step | GB/s | vs torch |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

@@ -19,7 +19,8 @@
 3. KV-cache decoding with flax_attn.Attention (768 wide, 12 heads, RoPE): time per generated
    token with the cache against recomputing the whole prefix, after a 1024-token prefix; and one
    decoding step (``fa.decode_step``) against PyTorch eager with a preallocated cache, batch 1
-   and 8, prefixes 1k and 8k, and 1k in a cache of 8k slots (:mod:`benchmarks.decode`).
+   and 8, prefixes 1k and 8k, and 1k in a cache of 8k slots (:mod:`benchmarks.decode`); and an
+   absorbed multi-head latent attention step against PyTorch eager (:mod:`benchmarks.decode_mla`).
 
 Writes benchmarks/results/<machine>.json and .png, and prints the tables. No assertions: the
 ratios are printed; targets are judged by reading them.
@@ -544,6 +545,9 @@ def print_report(results: dict) -> None:
     if "decode_vs_torch" in results:
         from benchmarks import decode
         print("\n" + decode.report(results["decode_vs_torch"]))
+    if "decode_mla_vs_torch" in results:
+        from benchmarks import decode, decode_mla
+        print("\n" + decode.report(results["decode_mla_vs_torch"], decode_mla.TITLE))
 
 
 def _peaks_text(results: dict) -> str:
@@ -607,6 +611,8 @@ def main(argv=None) -> None:
             from benchmarks import decode
             results["decode_vs_torch"] = (decode.run(1, batches=(1,), prefixes=(64,), sparse=((64, 512),)) if args.smoke
                                           else decode.run(repeats))
+            from benchmarks import decode_mla
+            results["decode_mla_vs_torch"] = decode_mla.run(1 if args.smoke else repeats, smoke=args.smoke)
     args.out.mkdir(parents=True, exist_ok=True)
     partial = ("" if len(parts) == 3 else "-" + "-".join(parts)) + ("-kept" if args.keep_host_memory else "")
     stem = args.out / (info["name"] + ("-smoke" if args.smoke else "") + partial)

@@ -32,3 +32,4 @@ def test_benchmark_suite_runs(tmp_path):
     assert written == [".json", ".png"]
     assert "KV-cache decoding" in result.stdout
     assert "KV-cache decode step" in result.stdout  # against PyTorch eager (benchmarks.decode)
+    assert "Absorbed multi-head latent attention decode step" in result.stdout  # benchmarks.decode_mla

@@ -45,13 +45,14 @@ instead of decompressing N heads' keys and values for every cached token.
 rule is folded into the key positions, so nothing is zeroed and, on CPU, the absorbed form's
 step reads only the filled blocks of the cache (:class:`flax_attn.core.key_blocks.KeyBlocks`).
 On a 2-core AMD EPYC (16 heads, r_kv 512, d_n 128, d_r 64, d_v 128, D 2048, float32; 1,025
-tokens in 8,192 slots) an absorbed step took 6.2 ms at batch 1 and 15 ms at batch 8, where it
-took 34 and 181 ms while every slot was read and the cache concatenated and zeroed each step.
-The plain form decompresses every slot's keys and values at each step (``kv_b_proj`` over the
-whole cache: 335 ms there): decode with ``absorb=True``. Either form also rearranges
-``kv_b_proj`` at each step (its per-head blocks are not contiguous in Hugging Face's layout),
-a cost that grows with the heads (128 heads, D 2048, batch 1, same machine: its two matmuls
-took 57 ms of a 70 ms absorbed step, at any fill).
+tokens in 8,192 slots) an absorbed step took 4.6 ms at batch 1 and 14 ms at batch 8, where it
+took 34 and 181 ms while every slot was read and the cache concatenated and zeroed each step
+(``python -m benchmarks.decode_mla`` compares it with PyTorch eager). The plain form
+decompresses every slot's keys and values at each step (``kv_b_proj`` over the whole cache:
+335 ms there): decode with ``absorb=True``. The absorbed form rearranges ``kv_b_proj`` into
+per-head blocks at each step (Hugging Face's layout interleaves them), a cost that grows with
+the heads: 128 heads, D 2048, batch 1: a 47 ms step, the rearranging and its two matmuls
+about 30 ms of it.
 
 The pure stage is :func:`mla_forward` with the parameter specs of :func:`mla_params`;
 :class:`MultiHeadLatentAttention` (Linen) and its NNX twin
@@ -390,15 +391,19 @@ def mla_forward(config: MLAConfig, params: Mapping, x, positions, segment_ids=No
     if c.absorb:
         # q_n . k_n = (q_n W_UK^T) . c_kv: multi-query attention over the latents themselves.
         dtype = jnp.result_type(q_nope, kv_b)
-        q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope.astype(dtype), kv_b[..., :dn].astype(dtype),
-                              precision=precision)
+        # kv_b_proj per head, (N, r_kv, d_n + d_v): one transpose copying runs of d_n + d_v, kept
+        # as it is (the barrier) so that XLA does not fold it into each matmul below, where it
+        # chose a transpose with r_kv innermost (strided reads). 16 heads of a 2,048-wide layer,
+        # one token, AMD EPYC: the two matmuls 2.3 -> 0.9 ms (batch 1), 5.1 -> 3.1 ms (batch 8).
+        kv_b = jax.lax.optimization_barrier(jnp.transpose(kv_b, (1, 0, 2)).astype(dtype))
+        q_latent = jnp.einsum("BTNH,NRH->BTNR", q_nope.astype(dtype), kv_b[..., :dn], precision=precision)
         query = jnp.concatenate([q_latent, q_pe.astype(dtype)], axis=-1)                 # (B, T, N, r_kv + d_r)
         # key [c_kv, k_pe] (B, S, 1, r_kv + d_r): the latent cache as it stands. It is the value
         # too, the output's last d_r dims dropped: c_kv alone would be a strided copy of the cache.
         key = (jnp.concatenate([c_kv, k_pe], axis=-1) if cache is None else new_cache.latent)[:, :, None, :]
         key = key.astype(dtype)
         o_latent = dot_product_attention(query, key, key, None, mask, **attend)[..., :R]
-        out = jnp.einsum("BTNR,RNV->BTNV", o_latent, kv_b[..., dn:].astype(dtype), precision=precision)
+        out = jnp.einsum("BTNR,NRV->BTNV", o_latent, kv_b[..., dn:], precision=precision)
     else:
         kv = dense(params["kv_b_proj"], c_kv, precision).reshape(B, S, N, dn + dv)
         key = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_pe[:, :, None, :], (B, S, N, dr)).astype(kv.dtype)],

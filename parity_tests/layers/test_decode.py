@@ -198,3 +198,20 @@ def test_benchmark_rows_and_report():
     # the automatic choice), and agrees with PyTorch before anything is timed
     sparse = bench.cell(batch=1, prefix=64, repeats=1, capacity=2048)
     assert {r["capacity"] for r in sparse} == {2048} and "| 1 | 64 | 2048 | flax_attn BKSH |" in bench.report(sparse)
+
+
+def test_mla_benchmark_rows_and_report():
+    # benchmarks/decode_mla.py at tiny shapes: the absorbed layer and the PyTorch eager twin agree
+    # on the first step (the cell raises otherwise), in a right-sized cache and in one of 2,048
+    # slots holding 64 tokens (the key-blocks path itself: layers/test_mla.py)
+    from benchmarks import decode_mla as bench
+
+    for capacity in (0, 2048):
+        rows = bench.cell(batch=2, prefix=64, repeats=1, capacity=capacity, shapes=bench.SMOKE_SHAPES)
+        assert {"flax_attn absorbed", "torch eager"} <= {r["contender"] for r in rows}
+        assert min(r["ratio_vs_torch"] for r in rows if r["contender"].startswith("torch")) == 1.0
+        weights = 64 * 4 * 12 + 64 * 20 + 16 * 4 * 16 + 4 * 8 * 64  # q_proj, kv_a, kv_b, o_proj
+        fill = 64 + 1 + 2 * 4 // 2
+        assert all(r["floor_bytes_per_step"] == 4 * (weights + 2 * fill * 20) for r in rows)
+        slots = 2048 if capacity else 90
+        assert f"| 2 | 64 | {slots} | flax_attn absorbed |" in bench.report(rows, bench.TITLE)
