@@ -196,6 +196,32 @@ def _softmax_values_jvp(precision, primals, tangents):
     return (out, lse), (d_out, d_lse[..., 0])
 
 
+FEW_ROWS = 16
+FEW_ROWS_MIN_KEYS = 1024
+"""From 2 to :data:`FEW_ROWS` query rows per unit over at least this many keys, the plain
+path's logits on CPU are computed keys-major (:func:`key_logits`)."""
+
+
+def key_logits(queries, keys, precision, acc, platform=None):
+    """``queries (U, R, H) . keys (U, S, H)`` -> raw logits ``(U, R, S)`` in ``acc``: the plain
+    path's logit matmul.
+
+    On CPU, with 2 to :data:`FEW_ROWS` rows over at least :data:`FEW_ROWS_MIN_KEYS` keys (a
+    grouped-query decoding step), the product is computed keys-major, ``(U, S, R)``, and then
+    transposed (the barrier keeps XLA from folding the transpose back into the matmul). On a
+    2-core AMD EPYC, alone: 48 units of 8,192 keys of 64, 2 rows: 14.9 -> 6.8 ms (the keys read
+    at 15 GB/s); 8 units of 576-wide keys, 16 rows: 16.8 -> 10.1 ms; at 128 rows (compute-bound)
+    the two forms are even. The grouped-query attention of one decoding token (12 query heads
+    of 64 over 2, 4 or 6 key/value heads, batch 1 and 8), in turns with PyTorch in one process:
+    10-37% faster with 8,192 keys, 8-48% with 1,202.
+    """
+    R, S = queries.shape[-2], keys.shape[-2]
+    if platform == "cpu" and 1 < R <= FEW_ROWS and S >= FEW_ROWS_MIN_KEYS:
+        t = jnp.einsum("USH,URH->USR", keys, queries, precision=precision, preferred_element_type=acc)
+        return jnp.swapaxes(jax.lax.optimization_barrier(t), -1, -2)
+    return jnp.einsum("URH,USH->URS", queries, keys, precision=precision, preferred_element_type=acc)
+
+
 ONE_ROW_PAD_KEYS = 4096
 """From this many keys on, a one-row values' matmul on CPU runs beside a row of zeros
 (:func:`weighted_values`)."""

@@ -27,7 +27,7 @@ class XLA(Implementation):
         U = B * K
         q = numerics.group_queries(query, K).reshape(U, G * T, H)
         units = lambda x: jnp.swapaxes(x, 1, 2).reshape(U, S, x.shape[-1])  # (B, S, K, .) -> (B*K, S, .)
-        raw = jnp.einsum("URH,USH->URS", q, units(key), precision=call.precision, preferred_element_type=acc)
+        raw = numerics.key_logits(q, units(key), call.precision, acc, call.platform)
         bias = None if call.mask.bias is None else numerics.group_heads(call.mask.bias, K)
         logits = numerics.finish_logits(call, raw.reshape(B, K, G, T, S), bias)
         allowed = call.mask.dense_mask()

@@ -186,6 +186,28 @@ def test_weighted_values_is_the_matmul(rows, platform):
         assert max_rel_error(g, e) < 1e-12
 
 
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_key_logits_is_the_matmul(rows, platform):
+    """key_logits (keys-major then transposed, for 2..FEW_ROWS rows on CPU) is the batched
+    matmul: outputs, reverse and forward mode, whatever the platform it is told."""
+    from flax_attn.core.numerics import FEW_ROWS, FEW_ROWS_MIN_KEYS, key_logits
+    rng = np.random.default_rng(6)
+    S = FEW_ROWS_MIN_KEYS  # the shortest key axis that takes the keys-major form on CPU
+    q, k = jnp.asarray(rng.standard_normal((4, rows, 5))), jnp.asarray(rng.standard_normal((4, S, 5)))
+    got = lambda q, k: key_logits(q, k, None, jnp.float64, platform)
+    want = lambda q, k: jnp.einsum("urh,ush->urs", q, k)
+    jaxpr = str(jax.make_jaxpr(got)(q, k))
+    assert ("optimization_barrier" in jaxpr) == (platform == "cpu" and 1 < rows <= FEW_ROWS)
+    assert got(q, k).shape == (4, rows, S)
+    assert max_rel_error(got(q, k), want(q, k)) < 1e-12
+    ct = jnp.asarray(rng.standard_normal((4, rows, S)))
+    for g, e in zip(jax.vjp(got, q, k)[1](ct), jax.vjp(want, q, k)[1](ct)):
+        assert max_rel_error(g, e) < 1e-12
+    tangents = (jnp.asarray(rng.standard_normal(q.shape)), jnp.asarray(rng.standard_normal(k.shape)))
+    assert max_rel_error(jax.jvp(got, (q, k), tangents)[1], jax.jvp(want, (q, k), tangents)[1]) < 1e-12
+
+
 def test_softmax_values_checkpoint_keeps_row_statistics():
     """Under jax.checkpoint with the SOFTMAX_STATS policy, reverse mode recomputes the weights
     from the kept row maxima and sums: one max over the logits in the whole gradient program
