@@ -172,7 +172,8 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, shapes: dict 
     rows = []
     for name, s in seconds.items():
         step_s = s / STEPS
-        rows.append({"contender": name, "batch": B, "prefix": prefix, "capacity": max_len, "ms_per_step": step_s * 1e3,
+        rows.append({"contender": name, "batch": B, "prefix": prefix, "capacity": max_len, "kv_heads": 1,
+                     "ms_per_step": step_s * 1e3,
                      "ms_per_token": step_s * 1e3 / B, "floor_bytes_per_step": floor,
                      "floor_bytes_per_token": floor / B, "gb_per_s": floor / step_s / 1e9,
                      "ratio_vs_torch": step_s / torch_step})

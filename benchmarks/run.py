@@ -609,7 +609,7 @@ def main(argv=None) -> None:
         results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)
         if not gpu:  # the PyTorch eager peer of benchmarks.decode runs on the CPU
             from benchmarks import decode
-            results["decode_vs_torch"] = (decode.run(1, batches=(1,), prefixes=(64,), sparse=((64, 512),)) if args.smoke
+            results["decode_vs_torch"] = (decode.run(1, batches=(1,), prefixes=(64,), sparse=((64, 512),), grouped=((64, 2),)) if args.smoke
                                           else decode.run(repeats))
             from benchmarks import decode_mla
             results["decode_mla_vs_torch"] = decode_mla.run(1 if args.smoke else repeats, smoke=args.smoke)
