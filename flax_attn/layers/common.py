@@ -72,16 +72,35 @@ def embed_params(num_embeddings: int, features: int) -> dict:
     return {"embedding": ParamSpec((num_embeddings, features), nn.initializers.normal(1.0))}
 
 
+NT_MIN_ROWS = 4096
+"""From this many rows on, :func:`dense` on CPU reads its kernel transposed (see there)."""
+
+
 def dense(p: Mapping, x, precision: Any = None):
     """``x @ kernel + bias`` over the last axis: ``(..., in) -> (..., out)``; ``nn.Dense``'s numbers.
 
     ``p``: ``{'kernel': (in, out)}`` and optionally ``'bias': (out,)``. Inputs and parameters are
     promoted to one dtype (float32 inputs with float64 parameters compute in float64).
+
+    On CPU, from :data:`NT_MIN_ROWS` rows of ``x`` on, the matmul reads the kernel as ``(out,
+    in)``, transposed once per call (the barrier keeps XLA from folding the transpose back into
+    the matmul): the same product, and its reverse mode (the weight gradient comes out ``(out,
+    in)``, then transposed) is faster there. Four 768 x 768 projections of 8 x 1,024 tokens,
+    float32, 2-core AMD EPYC: forward+backward 0.80 -> 0.77 s (three runs, 4-6%); GPT-2-small's
+    causal attention layer (the chapter's ``MultiHeadAttention``): forward+backward 1.25 -> 1.17
+    s and 1.30 -> 1.23 s against PyTorch's 1.07 and 1.11 s in the same runs, forward unchanged.
+    With few rows the copy of the kernel costs more than the matmul: a decoding step (one row
+    per sequence) went from 0.9 to 2.5 ms at batch 1.
     """
     kernel, bias = p["kernel"], p.get("bias")
     dtype = jnp.result_type(x, kernel, *(() if bias is None else (bias,)))
     x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
-    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    rows = math.prod(x.shape[:-1]) if all(isinstance(d, int) for d in x.shape[:-1]) else 0  # 0: symbolic
+    if jax.default_backend() == "cpu" and rows >= NT_MIN_ROWS:
+        kt = lax.optimization_barrier(kernel.T)
+        y = lax.dot_general(x, kt, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
+    else:
+        y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
     if bias is not None:
         y = y + jnp.reshape(jnp.asarray(bias, dtype), (1,) * (y.ndim - 1) + (-1,))
     return y
