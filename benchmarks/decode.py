@@ -113,6 +113,84 @@ def time_in_turns(fns: dict, repeats: int, warmup: int = 1) -> dict:
     return {name: float(np.median(s)) for name, s in samples.items()}
 
 
+def filled(batch: int, max_len: int, prefix: int) -> dict:
+    """A cache's bookkeeping fields with slots ``0..prefix-1`` filled: positions, segment ids
+    (-1 past the prefix) and length."""
+    import jax.numpy as jnp
+
+    written = np.arange(max_len) < prefix
+    return dict(positions=jnp.asarray(np.broadcast_to(np.arange(max_len, dtype=np.int32), (batch, max_len))),
+                segment_ids=jnp.asarray(np.broadcast_to(np.where(written, 0, -1).astype(np.int32), (batch, max_len))),
+                length=jnp.int32(prefix))
+
+
+def flax_steps(step, params, cache, x, prefix: int, max_len: int):
+    """``run(n)``: ``n`` decoding steps of ``step`` (from ``fa.decode_step``) on token ``x``,
+    positions counting on from ``prefix``; returns the last output, waited for."""
+    import jax.numpy as jnp
+
+    B = x.shape[0]
+    xt = jnp.asarray(x)
+    positions = [jnp.full((B, 1), t, jnp.int32) for t in range(prefix, max_len)]
+    state = {"cache": cache, "t": 0}
+
+    def run(n=STEPS):
+        out = None
+        for _ in range(n):
+            out, state["cache"] = step(params, state["cache"], xt, positions[state["t"]])
+            state["t"] += 1
+        return np.asarray(out)  # waits for the result
+
+    return run
+
+
+def torch_steps(twin, x, prefix: int):
+    """``run(n, num_threads)``: ``n`` eager steps of ``twin(x, pos)``, positions counting on from
+    ``prefix``, under ``torch.inference_mode()``; returns the last output."""
+    import torch
+
+    tx, state, threads = torch.from_numpy(x), {"t": 0}, torch.get_num_threads()
+
+    def run(n=STEPS, num_threads=threads):
+        torch.set_num_threads(num_threads)
+        with torch.inference_mode():
+            for _ in range(n):
+                out = twin(tx, prefix + state["t"])
+                state["t"] += 1
+        torch.set_num_threads(threads)
+        return out.numpy()
+
+    return run
+
+
+def timed_rows(flax_runs: dict, torch_run, repeats: int, floor: float, **cell_fields) -> list[dict]:
+    """Check that every flax_attn contender's first step agrees with PyTorch's (relative 1e-4),
+    time them all in turns (PyTorch also with one thread when it has more), and return one
+    row per contender: ``cell_fields``, time per step and per token, the memory ``floor``
+    (bytes a step must read), GB/s and the ratio to the faster PyTorch row."""
+    import torch
+
+    ref = torch_run(1)
+    for name, run in flax_runs.items():
+        got = run(1)
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        if not err <= 1e-4:
+            raise AssertionError(f"{name} and torch eager disagree on the first step: relative error {err:.1e}")
+    fns = dict(flax_runs, **{"torch eager": torch_run})
+    if torch.get_num_threads() > 1:  # on a shared machine one thread can beat several: the faster one is the peer
+        fns["torch eager 1 thread"] = lambda: torch_run(num_threads=1)
+    seconds = time_in_turns(fns, repeats)
+    torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / STEPS
+    B = cell_fields["batch"]
+    rows = []
+    for name, s in seconds.items():
+        step_s = s / STEPS
+        rows.append({"contender": name, **cell_fields, "ms_per_step": step_s * 1e3, "ms_per_token": step_s * 1e3 / B,
+                     "floor_bytes_per_step": floor, "floor_bytes_per_token": floor / B,
+                     "gb_per_s": floor / step_s / 1e9, "ratio_vs_torch": step_s / torch_step})
+    return rows
+
+
 def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int = HEADS) -> list[dict]:
     """Time one (batch, prefix) cell; one row per contender. ``capacity``: the caches' slots
     (both sides), at least what the cell's steps need; ``kv_heads``: key/value heads (fewer
@@ -140,25 +218,9 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
         cache = layer.init_cache(B, max_len, layout=layout)
         pad = lambda a: np.concatenate([a, np.zeros((B, K, max_len - prefix, H), np.float32)], axis=2)
         to_layout = (lambda a: a.reshape(B * K, max_len, H)) if layout == "BKSH" else (lambda a: a.transpose(0, 2, 1, 3))
-        filled = np.arange(max_len) < prefix
-        cache = cache.replace(
-            key=jnp.asarray(to_layout(pad(k0))), value=jnp.asarray(to_layout(pad(v0))),
-            positions=jnp.asarray(np.broadcast_to(np.arange(max_len, dtype=np.int32), (B, max_len))),
-            segment_ids=jnp.asarray(np.broadcast_to(np.where(filled, 0, -1).astype(np.int32), (B, max_len))),
-            length=jnp.int32(prefix))
-        step = fa.decode_step(layer)
-        xt = jnp.asarray(x)
-        positions = [jnp.full((B, 1), p, jnp.int32) for p in range(prefix, max_len)]
-        state = {"cache": cache, "t": 0}
-
-        def run(n=STEPS):
-            out = None
-            for _ in range(n):
-                out, state["cache"] = step(params, state["cache"], xt, positions[state["t"]])
-                state["t"] += 1
-            return np.asarray(out)  # waits for the result
-
-        return run, state
+        cache = cache.replace(key=jnp.asarray(to_layout(pad(k0))), value=jnp.asarray(to_layout(pad(v0))),
+                              **filled(B, max_len, prefix))
+        return flax_steps(fa.decode_step(layer), params, cache, x, prefix, max_len)
 
     twin = _torch_layer_class()(D, N, B, max_len, num_kv_heads=K)
     with torch.no_grad():
@@ -166,49 +228,11 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
             getattr(twin, name).weight.copy_(torch.from_numpy(kernel.T.copy()))
         twin.k_cache[:, :, :prefix] = torch.from_numpy(k0)
         twin.v_cache[:, :, :prefix] = torch.from_numpy(v0)
-    tx = torch.from_numpy(x)
-    t_state = {"t": 0}
-
-    threads = torch.get_num_threads()
-
-    def torch_run(n=STEPS, num_threads=threads):
-        torch.set_num_threads(num_threads)
-        with torch.inference_mode():
-            for _ in range(n):
-                out = twin(tx, prefix + t_state["t"])
-                t_state["t"] += 1
-        torch.set_num_threads(threads)
-        return out.numpy()
-
-    contenders = {}
-    for layout in ("BKSH", "BSKH"):
-        run, state = flax_contender(layout)
-        contenders[f"flax_attn {layout}"] = (run, state)
-    # the first steps must agree before anything is timed
-    ref = torch_run(1)
-    for name, (run, _) in contenders.items():
-        got = run(1)
-        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-        if not err <= 1e-4:
-            raise AssertionError(f"{name} and torch eager disagree on the first step: relative error {err:.1e}")
-    fns = {name: run for name, (run, _) in contenders.items()}
-    fns["torch eager"] = torch_run
-    if threads > 1:  # on a shared machine one thread can beat several: the faster one is the peer
-        fns["torch eager 1 thread"] = lambda: torch_run(num_threads=1)
-    seconds = time_in_turns(fns, repeats)
-    torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / STEPS
-    rows = []
     fill = prefix + 1 + (repeats + 1) * STEPS // 2  # the fill level at the middle of the run
     floor = (2 * D * D + 2 * D * K * H) * 4 + 2 * B * fill * K * H * 4
-    for name, s in seconds.items():
-        step_s = s / STEPS
-        rows.append({"contender": name, "batch": B, "prefix": prefix, "capacity": max_len, "kv_heads": K,
-                     "ms_per_step": step_s * 1e3,
-                     "ms_per_token": step_s * 1e3 / B, "floor_bytes_per_step": floor,
-                     "floor_bytes_per_token": floor / B, "gb_per_s": floor / step_s / 1e9,
-                     "ratio_vs_torch": step_s / torch_step})
-    del contenders, fns, twin
-    return rows
+    return timed_rows({f"flax_attn {layout}": flax_contender(layout) for layout in ("BKSH", "BSKH")},
+                      torch_steps(twin, x, prefix), repeats, floor,
+                      batch=B, prefix=prefix, capacity=max_len, kv_heads=K)
 
 
 def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, grouped=GROUPED) -> list[dict]:

@@ -6,7 +6,7 @@ The layer: DeepSeek-V2-Lite's attention shapes: d_model 2048, 16 heads, ``kv_lor
 step after 1024 cached tokens, batch 1 and 8, in a cache of a few more slots than the steps
 need and in one of 8192 slots (allocated for the longest generation, early on).
 
-Contenders, timed in turns in one process (:func:`benchmarks.decode.time_in_turns`):
+Contenders, timed in turns in one process (:func:`benchmarks.decode.timed_rows`):
 
 * ``flax_attn absorbed``: ``fa.decode_step(fa.MultiHeadLatentAttention(MLAConfig(...,
   absorb=True)))``: one ``jax.jit``, the :class:`LatentKVCache` donated;
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import cpu
-from benchmarks.decode import STEPS, machine, report, time_in_turns
+from benchmarks.decode import STEPS, filled, flax_steps, machine, report, timed_rows, torch_steps
 
 SHAPES = dict(d_model=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 THETA = 10000.0
@@ -120,64 +120,19 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, shapes: dict 
     cached = np.zeros((B, max_len, r + dr), np.float32)
     cached[:, :prefix] = rng.standard_normal((B, prefix, r + dr))
 
-    filled = np.arange(max_len) < prefix
-    cache = layer.init_cache(B, max_len).replace(
-        latent=jnp.asarray(cached),
-        positions=jnp.asarray(np.broadcast_to(np.arange(max_len, dtype=np.int32), (B, max_len))),
-        segment_ids=jnp.asarray(np.broadcast_to(np.where(filled, 0, -1).astype(np.int32), (B, max_len))),
-        length=jnp.int32(prefix))
-    step = fa.decode_step(layer)
-    xt = jnp.asarray(x)
-    positions = [jnp.full((B, 1), t, jnp.int32) for t in range(prefix, max_len)]
-    state = {"cache": cache, "t": 0}
-
-    def flax_run(n=STEPS):
-        out = None
-        for _ in range(n):
-            out, state["cache"] = step(params, state["cache"], xt, positions[state["t"]])
-            state["t"] += 1
-        return np.asarray(out)  # waits for the result
-
+    cache = layer.init_cache(B, max_len).replace(latent=jnp.asarray(cached), **filled(B, max_len, prefix))
     twin = _torch_layer_class()(B, max_len, **shapes)
     with torch.no_grad():
         for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
             getattr(twin, name).weight.copy_(torch.from_numpy(p[name]["kernel"].T.copy()))
         twin.kv_a_norm.copy_(torch.from_numpy(np.array(p["kv_a_layernorm"]["scale"])))
         twin.latent.copy_(torch.from_numpy(cached))
-    tx = torch.from_numpy(x)
-    t_state = {"t": 0}
-    threads = torch.get_num_threads()
-
-    def torch_run(n=STEPS, num_threads=threads):
-        torch.set_num_threads(num_threads)
-        with torch.inference_mode():
-            for _ in range(n):
-                out = twin(tx, prefix + t_state["t"])
-                t_state["t"] += 1
-        torch.set_num_threads(threads)
-        return out.numpy()
-
-    ref, got = torch_run(1), flax_run(1)  # the first steps must agree before anything is timed
-    err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-    if not err <= 1e-4:
-        raise AssertionError(f"flax_attn absorbed and torch eager disagree on the first step: relative error {err:.1e}")
-    fns = {"flax_attn absorbed": flax_run, "torch eager": torch_run}
-    if threads > 1:  # on a shared machine one thread can beat several: the faster one is the peer
-        fns["torch eager 1 thread"] = lambda: torch_run(num_threads=1)
-    seconds = time_in_turns(fns, repeats)
-    torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / STEPS
     fill = prefix + 1 + (repeats + 1) * STEPS // 2  # the fill level at the middle of the run
     weights = sum(int(np.prod(p[name]["kernel"].shape)) for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
     floor = 4 * (weights + B * fill * (r + dr))
-    rows = []
-    for name, s in seconds.items():
-        step_s = s / STEPS
-        rows.append({"contender": name, "batch": B, "prefix": prefix, "capacity": max_len, "kv_heads": 1,
-                     "ms_per_step": step_s * 1e3,
-                     "ms_per_token": step_s * 1e3 / B, "floor_bytes_per_step": floor,
-                     "floor_bytes_per_token": floor / B, "gb_per_s": floor / step_s / 1e9,
-                     "ratio_vs_torch": step_s / torch_step})
-    return rows
+    return timed_rows({"flax_attn absorbed": flax_steps(fa.decode_step(layer), params, cache, x, prefix, max_len)},
+                      torch_steps(twin, x, prefix), repeats, floor,
+                      batch=B, prefix=prefix, capacity=max_len, kv_heads=1)
 
 
 SMOKE_SHAPES = dict(d_model=64, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
