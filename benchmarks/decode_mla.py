@@ -11,7 +11,8 @@ Contenders, timed in turns in one process (:func:`benchmarks.decode.timed_rows`)
 * ``flax_attn absorbed``: ``fa.decode_step(fa.MultiHeadLatentAttention(MLAConfig(...,
   absorb=True)))``: one ``jax.jit``, the :class:`LatentKVCache` donated;
 * ``torch eager``: :class:`TorchMLADecode` below, written from the paper's absorbed form
-  (DeepSeek-V2, arXiv 2405.04434, appendix on absorbing ``W_UK`` and ``W_UV``): the latent
+  (DeepSeek-V2, arXiv 2405.04434, section 2.1: ``W_UK`` absorbed into the query, ``W_UV``
+  applied after attention): the latent
   ``[c_kv, k_pe]`` written into a preallocated ``(B, S, r_kv + d_r)`` cache by index, and
   ``F.scaled_dot_product_attention`` over the filled slots with the 16 latent queries as 16
   rows of one head (the latent as key and value, the value's last d_r dims dropped after),
