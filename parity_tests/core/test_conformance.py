@@ -77,14 +77,14 @@ def _implementations(tiny_blocks=(TINY_BLOCKS,)):
     (``registry.available()``), the blockwise path again with each of ``tiny_blocks``, and
     each Pallas kernel in interpret mode; the query blocks again with blocks of 16 (2 or 3 blocks,
     the last one short, on the small shapes; 8 at 128 tokens: the loop is unrolled, so its
-    compile time grows with the blocks)."""
+    compile time grows with the blocks) and two units a step with grouped queries too."""
     found = [(impl.name, impl) for impl in registry.available()]
     for name, impl in list(found):
         if isinstance(impl, Blockwise):
             for bq, bk in tiny_blocks:
                 found.append((f"{name}-{bq}-{bk}", dataclasses.replace(impl, block_q=bq, block_k=bk)))
         if isinstance(impl, QueryBlocks) and tiny_blocks == (TINY_BLOCKS,):
-            found.append((f"{name}-16", dataclasses.replace(impl, block_q=16)))
+            found.append((f"{name}-16", dataclasses.replace(impl, block_q=16, min_units=2)))
     return found + list(INTERPRETED)
 
 

@@ -120,27 +120,34 @@ def test_apply_sinks_by_hand():
     np.testing.assert_allclose(g, [2 * 3 / 16], rtol=1e-15)
 
 
-def _softmax_values_case():
+def _softmax_values_case(platform=None, rows=5, keys=7):
     from flax_attn.core.numerics import softmax_values
     rng = np.random.default_rng(3)
-    logits = jnp.asarray(rng.standard_normal((2, 5, 7)) * 3)
+    logits = jnp.asarray(rng.standard_normal((2, rows, keys)) * 3)
     logits = logits.at[0, 1, 2].set(-jnp.inf)                          # a -inf logit takes no part
-    allowed = jnp.asarray(rng.random((2, 5, 7)) < 0.7).at[1, 3].set(False)  # row (1, 3) sees nothing
-    values = jnp.asarray(rng.standard_normal((2, 7, 4)))
+    allowed = jnp.asarray(rng.random((2, rows, keys)) < 0.7).at[1, 3].set(False)  # row (1, 3) sees nothing
+    values = jnp.asarray(rng.standard_normal((2, keys, 4)))
     plain = lambda s, v: (jnp.einsum("crk,ckh->crh", fa.core.numerics.softmax_parts(s, allowed)[0], v),
                           fa.core.numerics.softmax_parts(s, allowed)[1])
-    custom = lambda s, v: softmax_values(s, allowed, v)
+    custom = lambda s, v: softmax_values(s, allowed, v, None, platform)
     return rng, (logits, values), plain, custom
 
 
-def test_softmax_values_derivatives_equal_the_softmaxs():
+@pytest.mark.parametrize("platform, size", [(None, 7), ("cpu", 7), ("gpu", 256), ("cpu", 256)])
+def test_softmax_values_derivatives_equal_the_softmaxs(platform, size):
     """softmax_values' hand-written derivative against JAX's derivative of the softmax itself
     (float64): outputs, jvp, vjp and a second order, with a -inf logit and a row that sees
-    nothing (zeros, zero gradients)."""
-    rng, args, plain, custom = _softmax_values_case()
+    nothing (zeros, zero gradients); on CPU with KEYS_MAJOR_TANGENT_MIN rows and keys the
+    values' tangent takes its keys-major form (barriers in the reverse-mode program), else not."""
+    from flax_attn.core.numerics import KEYS_MAJOR_TANGENT_MIN
+    rows = 5 if size < KEYS_MAJOR_TANGENT_MIN else size
+    rng, args, plain, custom = _softmax_values_case(platform, rows, size)
+    ones = (jnp.ones((2, rows, 4)), jnp.ones((2, rows)))
+    vjp_program = str(jax.make_jaxpr(lambda *a: jax.vjp(custom, *a)[1](ones))(*args))
+    assert ("optimization_barrier" in vjp_program) == (platform == "cpu" and size >= KEYS_MAJOR_TANGENT_MIN)
     tangents = tuple(jnp.asarray(rng.standard_normal(a.shape)).at[0, 1, 2].set(0.0) if i == 0 else
                      jnp.asarray(rng.standard_normal(a.shape)) for i, a in enumerate(args))
-    out_ct = (jnp.asarray(rng.standard_normal((2, 5, 4))), jnp.asarray(rng.standard_normal((2, 5))).at[1, 3].set(0.0))
+    out_ct = (jnp.asarray(rng.standard_normal((2, rows, 4))), jnp.asarray(rng.standard_normal((2, rows))).at[1, 3].set(0.0))
     for name, got, want in (
             ("outputs", custom(*args), plain(*args)),
             ("jvp", jax.jvp(custom, args, tangents)[1], jax.jvp(plain, args, tangents)[1]),
@@ -186,12 +193,13 @@ def test_weighted_values_is_the_matmul(rows, platform):
         assert max_rel_error(g, e) < 1e-12
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 3, 17, 256])
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_key_logits_is_the_matmul(rows, platform):
-    """key_logits (keys-major then transposed, for 2..FEW_ROWS rows on CPU) is the batched
-    matmul: outputs, reverse and forward mode, whatever the platform it is told."""
-    from flax_attn.core.numerics import FEW_ROWS, FEW_ROWS_MIN_KEYS, key_logits
+    """key_logits (keys-major then transposed, for 2..FEW_ROWS rows on CPU; its keys' tangent
+    keys-major on CPU) is the batched matmul: outputs, reverse and forward mode and a second
+    order, whatever the platform it is told."""
+    from flax_attn.core.numerics import FEW_ROWS, FEW_ROWS_MIN_KEYS, KEYS_MAJOR_TANGENT_MIN, key_logits
     rng = np.random.default_rng(6)
     S = FEW_ROWS_MIN_KEYS  # the shortest key axis that takes the keys-major form on CPU
     q, k = jnp.asarray(rng.standard_normal((4, rows, 5))), jnp.asarray(rng.standard_normal((4, S, 5)))
@@ -199,6 +207,9 @@ def test_key_logits_is_the_matmul(rows, platform):
     want = lambda q, k: jnp.einsum("urh,ush->urs", q, k)
     jaxpr = str(jax.make_jaxpr(got)(q, k))
     assert ("optimization_barrier" in jaxpr) == (platform == "cpu" and 1 < rows <= FEW_ROWS)
+    if rows > FEW_ROWS:  # reverse mode on CPU from 256 rows: the keys' gradient as (q^T ds)^T, behind barriers
+        vjp_program = str(jax.make_jaxpr(lambda q, k: jax.vjp(got, q, k)[1](jnp.ones((4, rows, S))))(q, k))
+        assert ("optimization_barrier" in vjp_program) == (platform == "cpu" and rows >= KEYS_MAJOR_TANGENT_MIN)
     assert got(q, k).shape == (4, rows, S)
     assert max_rel_error(got(q, k), want(q, k)) < 1e-12
     ct = jnp.asarray(rng.standard_normal((4, rows, S)))
@@ -206,6 +217,9 @@ def test_key_logits_is_the_matmul(rows, platform):
         assert max_rel_error(g, e) < 1e-12
     tangents = (jnp.asarray(rng.standard_normal(q.shape)), jnp.asarray(rng.standard_normal(k.shape)))
     assert max_rel_error(jax.jvp(got, (q, k), tangents)[1], jax.jvp(want, (q, k), tangents)[1]) < 1e-12
+    second = lambda f: jax.jvp(lambda q, k: jax.vjp(f, q, k)[1](ct), (q, k), tangents)[1]
+    for g, e in zip(second(got), second(want)):
+        assert max_rel_error(g, e) < 1e-12
 
 
 def test_softmax_values_checkpoint_keeps_row_statistics():

@@ -35,15 +35,18 @@ def test_registry_order_and_names():
 
 
 def test_automatic_choice_on_cpu():
-    assert _chosen() == "query_blocks"             # 8 query blocks of 128, key ranges known at trace time
+    assert _chosen() == "query_blocks"             # 4 query blocks of 256, key ranges known at trace time
     assert _chosen(T=1, S=1024) == "xla"      # one decoding step
     in_use = np.array([300, 1000], np.int32)  # decoding over a cache of 8192 slots, its fill known at run time
     assert _chosen(T=1, S=8192, key_value_seq_lengths=in_use) == "key_blocks"
     assert _chosen(T=1, S=512, key_value_seq_lengths=in_use) == "xla"       # 512 keys make one block
     assert _chosen(T=64, S=64) == "xla"       # below the measured crossover
     assert _chosen(T=128, S=128) == "query_blocks"
-    assert _chosen(T=2048, S=2048) == "query_blocks"      # 16 query blocks: the unrolled program's limit
-    assert _chosen(T=2049, S=2049) == "blockwise"
+    qb = registry.get("query_blocks")
+    longest = qb.max_blocks * qb._block_q(_call())  # 16 query blocks: the unrolled program's limit
+    assert longest >= 2048  # blocks of 128 at least (256 with 64-dim float32 heads on a 1 MiB L2)
+    assert _chosen(T=longest, S=longest) == "query_blocks"
+    assert _chosen(T=longest + 1, S=longest + 1) == "blockwise"
     assert _chosen(dropout_rate=0.1, dropout_rng=jax.random.key(0)) == "xla"  # neither has dropout
     assert _chosen(return_weights=True) == "xla"
     positions = np.tile(np.arange(1024, dtype=np.int32), (2, 1))
@@ -52,6 +55,21 @@ def test_automatic_choice_on_cpu():
     assert _chosen(query_segment_ids=np.zeros((2, 1024), np.int32), key_segment_ids=np.zeros((2, 1024), np.int32),
                    mask=np.ones((1024,), bool), logit_softcap=3.0) == "query_blocks"
     assert _chosen(is_causal=False, mask=np.ones((1024,), bool)) == "query_blocks"
+
+
+@pytest.mark.parametrize("heads, kv_heads, T, block_q", [(4, 4, 1024, 256), (4, 4, 1023, 128), (4, 4, 4096, 256),
+                                                         (8, 4, 1024, 128), (16, 1, 4096, 128), (4, 4, 100, 100)])
+def test_query_blocks_block_size(monkeypatch, heads, kv_heads, T, block_q):
+    """QueryBlocks' default block (64-dim float32 heads, a 1 MiB L2): the blockwise path's tile
+    (128), or the tile that fits the whole L2 (256) for multi-head attention over at least four
+    such blocks; never more than the queries; a given block_q wins."""
+    from flax_attn.core import tuning
+    monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 1 << 20)
+    q = jax.ShapeDtypeStruct((2, T, heads, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((2, T, kv_heads, 64), jnp.float32)
+    qb = registry.get("query_blocks")
+    assert qb._block_q(describe(q, k, k, is_causal=True, platform="cpu")) == block_q
+    assert dataclasses.replace(qb, block_q=32)._block_q(describe(q, k, k, platform="cpu")) == 32
 
 
 def test_automatic_choice_on_gpu():
