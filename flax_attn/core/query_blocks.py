@@ -67,8 +67,8 @@ class QueryBlocks(Implementation):
       block_q: queries per block. None: the blockwise path's tile for this head size
         (:func:`flax_attn.core.tuning.block_sizes`; 128 for 64-dim float32 heads on a 1 MiB L2)
         or, for multi-head attention (G = 1) over at least four blocks of it, the largest tile
-        whose working set fits the whole per-core L2 (256 there). Measured, one key/value head per
-        query head, causal (8 x 12 heads of 1024 tokens): blocks of 256 forward 0.125 s,
+        whose working set fits the whole per-core L2 (256 there). Measured, one key/value head
+        per query head, causal (8 x 12 heads of 1024 tokens): blocks of 256 forward 0.125 s,
         forward+backward 0.48 s; of 128, 0.117 and 0.51 s. With 256 tokens (4 x 12 heads) one
         block of 256 took 45% longer forward than two of 128 (causal attention skips less), with
         512, 30%; grouped queries (G times the rows a block) were not faster with larger blocks.
@@ -91,10 +91,12 @@ class QueryBlocks(Implementation):
     The defaults were measured on a 2-core AMD EPYC (1 MiB L2 per core), causal, float32,
     64-dim heads, forward / forward+backward, against the earlier defaults (block_q 128, one
     unit a step allowed) and before the CPU matmul forms of the derivative
-    (:func:`flax_attn.core.numerics.key_logits`, :func:`~flax_attn.core.numerics.softmax_values`), each side in its own process in turns: GPT-2-small's 8 x 12 heads of
-    1024 tokens 0.14-0.15 -> 0.13 s / 0.56 -> 0.50 s; one sequence of 2048 tokens in 8 heads
-    0.056 s both / 0.18-0.19 -> 0.17 s; of 4096 tokens (blockwise before, 32 blocks of 128
-    being over ``max_blocks``) 0.26 -> 0.20 s / 1.05-1.08 -> 0.62-0.65 s.
+    (:func:`flax_attn.core.numerics.key_logits`,
+    :func:`~flax_attn.core.numerics.softmax_values`), each side in its own process in turns:
+    GPT-2-small's 8 x 12 heads of 1024 tokens 0.14-0.15 -> 0.13 s / 0.56 -> 0.50 s; one
+    sequence of 2048 tokens in 8 heads 0.056 s both / 0.18-0.19 -> 0.17 s; of 4096 tokens
+    (blockwise before, 32 blocks of 128 being over ``max_blocks``) 0.26 -> 0.20 s / 1.05-1.08
+    -> 0.62-0.65 s.
     """
 
     name: str = "query_blocks"
