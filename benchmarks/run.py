@@ -2,6 +2,7 @@
 
     python -m benchmarks.run              # full suite (CPU: float32; NVIDIA GPU: bfloat16, detected)
     python -m benchmarks.run --smoke      # tiny sizes, one repeat, one process: checks that everything runs
+    python -m benchmarks.run --huge-pages # the same, glibc's malloc asking for 2 MiB pages (Linux)
 
 1. The GPT-2-small layer (batch 8, context 1024, model dim 768, 12 heads, causal): flax_attn's
    MultiHeadAttention with each implementation, the chapter's layer in torch_ref, a PyTorch
@@ -555,6 +556,14 @@ def _peaks_text(results: dict) -> str:
     return ", ".join(f"{name} {t * 1000:.0f} GFLOP/s" for name, t in peaks.items())
 
 
+HUGE_PAGES = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
+
+
+def _huge_pages() -> bool:
+    """Whether this process started with glibc's malloc asking for transparent huge pages."""
+    return "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "").split(":")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: a check that it all runs")
@@ -567,8 +576,17 @@ def main(argv=None) -> None:
     parser.add_argument("--keep-host-memory", action="store_true",
                         help="call flax_attn.keep_host_memory() first: XLA's temporaries reuse freed memory instead "
                              "of being faulted in at every call (PyTorch in the same process gets the same allocator)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help=f"run again with {HUGE_PAGES} set (glibc >= 2.35, Linux with transparent huge pages "
+                             "in 'madvise' or 'always' mode): glibc asks for 2 MiB pages for the memory it maps, so "
+                             "a call's fresh buffers take about 1/500 of the page faults; for every contender and "
+                             "for the sweep's processes")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.huge_pages and not _huge_pages():
+        tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES.split("=", 1)[1]]))
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.run"] + list(sys.argv[1:] if argv is None else argv),
+                  {**os.environ, "GLIBC_TUNABLES": tunables})
     kept = False
     if args.keep_host_memory:
         import flax_attn
@@ -586,9 +604,11 @@ def main(argv=None) -> None:
                  else {"batch": 8, "context": 1024, "d_model": 768, "heads": 12})
     lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
     impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
-    host_memory = ("kept (flax_attn.keep_host_memory)" if kept else
-                   "default allocator (keep_host_memory does not apply here)" if args.keep_host_memory else
-                   "default allocator")
+    host_memory = "; ".join(filter(None, [
+        "kept (flax_attn.keep_host_memory)" if kept else
+        "keep_host_memory does not apply here" if args.keep_host_memory else None,
+        *(f"{name}={value}" for name, value in sorted(os.environ.items())
+          if name == "GLIBC_TUNABLES" or name.startswith("MALLOC_"))])) or "default allocator"
     print(f"Machine: {info['device']} ({info['backend']}, {info['dtype']}); host memory: {host_memory}", flush=True)
     results = {"machine": info, "host_memory": host_memory, "gpt2_layer_config": layer_cfg}
     peaks = matmul_peak_tflops(gpu, smoke=args.smoke)
@@ -614,7 +634,8 @@ def main(argv=None) -> None:
             from benchmarks import decode_mla
             results["decode_mla_vs_torch"] = decode_mla.run(1 if args.smoke else repeats, smoke=args.smoke)
     args.out.mkdir(parents=True, exist_ok=True)
-    partial = ("" if len(parts) == 3 else "-" + "-".join(parts)) + ("-kept" if args.keep_host_memory else "")
+    partial = (("" if len(parts) == 3 else "-" + "-".join(parts)) + ("-kept" if args.keep_host_memory else "")
+               + ("-hugetlb" if _huge_pages() else ""))
     stem = args.out / (info["name"] + ("-smoke" if args.smoke else "") + partial)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))
