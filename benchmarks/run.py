@@ -579,8 +579,8 @@ def main(argv=None) -> None:
     parser.add_argument("--huge-pages", action="store_true",
                         help=f"run again with {HUGE_PAGES} set (glibc >= 2.35, Linux with transparent huge pages "
                              "in 'madvise' or 'always' mode): glibc asks for 2 MiB pages for the memory it maps, so "
-                             "a call's fresh buffers take about 1/500 of the page faults; for every contender and "
-                             "for the sweep's processes")
+                             "a call faults its fresh buffers in 2 MiB pieces (the layer's forward+backward: 1/60 "
+                             "of the page faults); for every contender and for the sweep's processes")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.huge_pages and not _huge_pages():
