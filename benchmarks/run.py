@@ -573,6 +573,9 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", default="layer,sweep,decode",
                         help="comma-separated subset of layer, sweep, decode (a partial run is written beside "
                              "the full one, its parts in the file name)")
+    parser.add_argument("--sweep-impls", default=None,
+                        help="comma-separated subset of the sweep's contenders (default: all of xla, blockwise, "
+                             "jax.nn, torch SDPA, and cudnn on a GPU)")
     parser.add_argument("--keep-host-memory", action="store_true",
                         help="call flax_attn.keep_host_memory() first: XLA's temporaries reuse freed memory instead "
                              "of being faulted in at every call (PyTorch in the same process gets the same allocator)")
@@ -604,6 +607,11 @@ def main(argv=None) -> None:
                  else {"batch": 8, "context": 1024, "d_model": 768, "heads": 12})
     lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
     impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
+    if args.sweep_impls is not None:
+        chosen = [name.strip() for name in args.sweep_impls.split(",") if name.strip()]
+        if not chosen or set(chosen) - set(impls):
+            parser.error(f"--sweep-impls: {sorted(set(chosen) - set(impls)) or 'none given'} not among {impls}")
+        impls = [name for name in impls if name in chosen]
     host_memory = "; ".join(filter(None, [
         "kept (flax_attn.keep_host_memory)" if kept else
         "keep_host_memory does not apply here" if args.keep_host_memory else None,
@@ -634,8 +642,9 @@ def main(argv=None) -> None:
             from benchmarks import decode_mla
             results["decode_mla_vs_torch"] = decode_mla.run(1 if args.smoke else repeats, smoke=args.smoke)
     args.out.mkdir(parents=True, exist_ok=True)
-    partial = (("" if len(parts) == 3 else "-" + "-".join(parts)) + ("-kept" if args.keep_host_memory else "")
-               + ("-hugetlb" if _huge_pages() else ""))
+    partial = (("" if len(parts) == 3 else "-" + "-".join(parts))
+               + ("" if args.sweep_impls is None else "-" + "-".join(i.replace(" ", "").replace(".", "") for i in impls))
+               + ("-kept" if args.keep_host_memory else "") + ("-hugetlb" if _huge_pages() else ""))
     stem = args.out / (info["name"] + ("-smoke" if args.smoke else "") + partial)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))

@@ -14,7 +14,8 @@ them one after another: on an idle 2-core CPU four independent loops took 3.8 ti
 as one); within a run, ``unit_chunk``
 units may be computed together as one batched step (a block is then skipped only if it is
 empty for all of them, and masked if it is partial for any). Tile sizes default to the
-largest square tile whose working set fits half the per-core L2 cache (:mod:`flax_attn.core.tuning`).
+largest square tile whose logits fit the L2 caches of two cores (:mod:`flax_attn.core.tuning`):
+steps large enough for XLA to spread each matmul over the cores.
 The forward visits, for each query block, only the key blocks from the first to the last
 non-empty one; a power-of-two scale (1/8 for 64-dim heads) is applied to the queries before
 the loops, which gives the same logits bit for bit and saves a pass over every block.
@@ -64,8 +65,10 @@ class Blockwise(Implementation):
 
     Fields:
       block_q, block_k: the tile of queries x keys visited per step. None: the largest square
-        tile whose working set fits half the per-core L2 cache
-        (:func:`flax_attn.core.tuning.block_sizes`; 128 x 128 for 64-dim float32 heads on a 1 MiB L2).
+        tile whose logits over a unit's query heads fit the L2 caches of two cores, at most an
+        eighth of padding (:func:`flax_attn.core.tuning.blockwise_tiles`; 512 x 512 for
+        multi-head float32 attention on a 1 MiB L2, 256 x 256 with 6 query heads per key/value
+        head).
       unit_chunk: how many (batch row, key/value head) units one step computes together (one
         batched matmul over them); the largest divisor of B*K up to this.
       streams: the units split into this many independent loops, which a runtime may run
@@ -149,9 +152,9 @@ class _Spec(BlockedLengths):
 
     @classmethod
     def of(cls, call, impl: Blockwise) -> "_Spec":
-        tq, tk = tuning.block_sizes(call.H, call.Hv, jnp.dtype(call.dtype).itemsize)
-        bq = min(call.T, tq if impl.block_q is None else impl.block_q)
-        bk = min(call.S, tk if impl.block_k is None else impl.block_k)
+        tq, tk = tuning.blockwise_tiles(call.T, call.S, call.G, jnp.dtype(call.acc_dtype).itemsize)
+        bq = tq if impl.block_q is None else min(call.T, impl.block_q)
+        bk = tk if impl.block_k is None else min(call.S, impl.block_k)
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
                    tuning.unit_chunk(call.B, call.K, impl.unit_chunk),
                    tuning.cpu_cores() if impl.streams is None else impl.streams)

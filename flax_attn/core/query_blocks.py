@@ -64,8 +64,9 @@ class QueryBlocks(Implementation):
     Fields are tuning knobs; every setting computes the same function.
 
     Fields:
-      block_q: queries per block. None: the blockwise path's tile for this head size
-        (:func:`flax_attn.core.tuning.block_sizes`; 128 for 64-dim float32 heads on a 1 MiB L2)
+      block_q: queries per block. None: the largest tile whose working set fits half the
+        per-core L2 (:func:`flax_attn.core.tuning.block_sizes`; 128 for 64-dim float32 heads on
+        a 1 MiB L2)
         or, for multi-head attention (G = 1) over at least four blocks of it, the largest tile
         whose working set fits the whole per-core L2 (256 there). Measured, one key/value head
         per query head, causal (8 x 12 heads of 1024 tokens): blocks of 256 forward 0.125 s,
@@ -131,7 +132,7 @@ class QueryBlocks(Implementation):
         if self.block_q is not None:
             return min(call.T, self.block_q)
         itemsize = jnp.dtype(call.dtype).itemsize
-        bq = tuning.block_sizes(call.H, call.Hv, itemsize)[0]  # the blockwise path's tile
+        bq = tuning.block_sizes(call.H, call.Hv, itemsize)[0]
         large = tuning.block_sizes(call.H, call.Hv, itemsize, tuning.l2_cache_bytes())[0]
         if call.G == 1 and call.T >= 4 * large:
             bq = large

@@ -1,25 +1,24 @@
-"""Tile sizes of the blockwise core, derived from the machine's caches (no timing at run time).
+"""Tile sizes of the blocked cores, derived from the machine's caches (no timing at run time).
 
-The blockwise core (:mod:`flax_attn.core.blockwise`) visits one ``block_q x block_k`` tile of
-logits at a time for each (batch row, key/value head). Per step it touches, in the accumulation
-dtype (4 bytes for float32), the logits and the weights of the tile and the running output,
-and, in the input dtype, the tile's queries, keys and values:
+A step of the blockwise core (:mod:`flax_attn.core.blockwise`) is one ``block_q x block_k``
+tile of logits for each (batch row, key/value head) unit; a step of the query blocks
+(:mod:`flax_attn.core.query_blocks`) is one block of queries against its keys. Per step a
+``bq x bk`` tile touches, in the accumulation dtype (4 bytes for float32), the logits and the
+weights of the tile and the running output, and, in the input dtype, the tile's queries, keys
+and values:
 
     work(bq, bk) = 4 (2 bq bk + bq Hv) + itemsize (bq H + bk H + bk Hv)   bytes.
 
-The rule: the largest square tile among 512, 256, 128, 64 whose working set fits in half the
-per-core L2 cache (the level a core keeps to itself on current x86 and Arm server CPUs), so
-that the exponentials and the two matmuls of a step reuse it from there while the other half
-holds what the step reads besides (the derivative's step has three tiles of logits, weights and
-their tangents, and seven blocks of rows). On a 1 MiB L2 with 64-dim float32 heads this gives
-128 x 128 (256 KiB; 256 x 256 would need 768 KiB). On a 2-core AMD EPYC (1 MiB L2 per core,
-64-dim heads, causal) 128 x 128 took 10% less CPU time than 256 x 256 forward at 8 x 1024
-tokens in 12 heads and 19% less at 1 x 4096 tokens in 8 heads; forward+backward took the same
-within 6% either way. Where the cache size cannot be read (not Linux, or no sysfs), 1 MiB is
-assumed.
+:func:`block_sizes` gives the largest square tile among 512, 256, 128, 64 whose working set
+fits a cache (by default half the per-core L2: 128 x 128 for 64-dim float32 heads on 1 MiB);
+the query blocks size their blocks with it. :func:`blockwise_tiles` gives the blockwise core's
+tile: the largest whose logits fit the L2 caches of two cores (512 x 512 there), where a step's
+matmuls are large enough for XLA's CPU runtime to spread over the cores (measurements in its
+docstring). Where the cache size cannot be read (not Linux, or no sysfs), 1 MiB is assumed.
 
-The result depends only on the machine and the head dims, so that a program traced twice on
-one machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` to override.
+The results depend only on the machine and the shapes, so that a program traced twice on one
+machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` or
+``QueryBlocks(block_q=...)`` to override.
 """
 from __future__ import annotations
 
@@ -78,6 +77,34 @@ def block_sizes(H: int, Hv: int, itemsize: int, cache_bytes: Optional[int] = Non
         if working_set_bytes(b, b, H, Hv, itemsize) <= cache:
             return b, b
     return TILES[-1], TILES[-1]
+
+
+def blockwise_tiles(T, S, G: int, acc_itemsize: int = 4, cache_bytes: Optional[int] = None) -> tuple:
+    """``(block_q, block_k)`` of the blockwise path: the largest tile of :data:`TILES` whose
+    logits over a unit's ``G`` query heads (``acc_itemsize * G * b * b`` bytes) fit
+    ``cache_bytes`` (default: twice :func:`l2_cache_bytes`, the L2 caches of two cores), so that
+    each step's matmuls are large enough for XLA's CPU runtime to spread over the cores. A
+    length up to that tile is one block; a longer one takes the largest tile up to it that pads
+    the length by at most an eighth (``min`` of :data:`TILES` else).
+
+    Measured on a 2-core AMD EPYC (1 MiB L2 per core: 512 for multi-head attention, 256 with 6
+    query heads per key/value head), causal, 64-dim float32 heads, against the former 128 x 128
+    (the largest tile whose whole working set fit half the L2), forward / forward+backward:
+    1 x 8 heads of 8,192 tokens 1.04 -> 0.59 s / 4.48 -> 3.05 s (1,024 x 1,024 tiles: 0.57 /
+    3.80 s); 8 x 12 heads of 1,024 tokens 0.28 -> 0.21 s / 1.01 -> 0.86 s (256 x 256: no faster
+    than 128); 12 query heads over 2 key/value heads, 8,192 tokens: 1.19 -> 0.85 s / 4.20 ->
+    3.82 s (512 x 512: 0.80 / 5.48 s). The CPU time of a step is not what fell (128 x 128 took
+    up to 19% less of it forward): its wall time did, the larger matmuls running on both cores.
+    """
+    cache = 2 * l2_cache_bytes() if cache_bytes is None else cache_bytes
+    top = next((b for b in TILES if acc_itemsize * G * b * b <= cache), TILES[-1])
+
+    def fit(length):
+        if not isinstance(length, int) or length <= top:
+            return min(length, top) if isinstance(length, int) else top
+        return next((b for b in TILES if b <= top and 8 * (-(-length // b) * b) <= 9 * length), TILES[-1])
+
+    return fit(T), fit(S)
 
 
 def cpu_cores() -> int:

@@ -220,6 +220,39 @@ def test_block_sizes_fit_the_cache():
         tuning.l2_cache_bytes = real
 
 
+@pytest.mark.parametrize("T, S, G, itemsize, tiles", [
+    (8192, 8192, 1, 4, (512, 512)),    # 4 * 512 * 512 = 1 MiB of logits: within two 1 MiB L2s
+    (8192, 8192, 6, 4, (256, 256)),    # 6 query heads a unit: 1.5 MiB at 256, 6 MiB at 512
+    (8192, 8192, 1, 8, (512, 512)),    # float64: 2 MiB
+    (8192, 8192, 2, 8, (256, 256)),
+    (300, 5000, 1, 4, (300, 512)),     # up to the tile: one block, no padding
+    (600, 1000, 1, 4, (128, 512)),     # 512 or 256 would pad 600 by more than an eighth; 1000 -> 1024
+    (100, 100, 64, 4, (64, 64)),       # nothing fits: the smallest tile, padded as it must be
+])
+def test_blockwise_tiles(monkeypatch, T, S, G, itemsize, tiles):
+    from flax_attn.core import tuning
+
+    monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 1 << 20)
+    assert tuning.blockwise_tiles(T, S, G, itemsize) == tiles
+    assert tuning.blockwise_tiles(T, S, G, itemsize, cache_bytes=2 << 20) == tiles
+
+
+def test_blockwise_takes_its_tiles_unless_given(monkeypatch):
+    from flax_attn.core import tuning
+    from flax_attn.core.blockwise import _Spec
+    from flax_attn.core.call import describe
+
+    monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 1 << 20)
+    q = jax.ShapeDtypeStruct((1, 2048, 12, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.float32)
+    call = describe(q, q, q, is_causal=True, platform="cpu")
+    assert (_Spec.of(call, Blockwise()).bq, _Spec.of(call, Blockwise()).bk) == (512, 512)
+    grouped = describe(q, k, k, is_causal=True, platform="cpu")
+    assert (_Spec.of(grouped, Blockwise()).bq, _Spec.of(grouped, Blockwise()).bk) == (256, 256)
+    given = _Spec.of(call, Blockwise(block_q=64, block_k=4096))
+    assert (given.bq, given.bk) == (64, 2048)   # given tiles win, within the lengths
+
+
 def test_power_of_two_scale_is_applied_to_the_queries_only_where_exact():
     from flax_attn.core.numerics import scale_is_exact as exact
 

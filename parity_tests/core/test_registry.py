@@ -60,8 +60,8 @@ def test_automatic_choice_on_cpu():
 @pytest.mark.parametrize("heads, kv_heads, T, block_q", [(4, 4, 1024, 256), (4, 4, 1023, 128), (4, 4, 4096, 256),
                                                          (8, 4, 1024, 128), (16, 1, 4096, 128), (4, 4, 100, 100)])
 def test_query_blocks_block_size(monkeypatch, heads, kv_heads, T, block_q):
-    """QueryBlocks' default block (64-dim float32 heads, a 1 MiB L2): the blockwise path's tile
-    (128), or the tile that fits the whole L2 (256) for multi-head attention over at least four
+    """QueryBlocks' default block (64-dim float32 heads, a 1 MiB L2): the tile whose working set
+    fits half the L2 (128), or the tile that fits the whole L2 (256) for multi-head attention over at least four
     such blocks; never more than the queries; a given block_q wins."""
     from flax_attn.core import tuning
     monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 1 << 20)
