@@ -93,15 +93,17 @@ def blockwise_tiles(T, S, G: int, acc_itemsize: int = 4, cache_bytes: Optional[i
     1 x 8 heads of 8,192 tokens 1.04 -> 0.59 s / 4.48 -> 3.05 s (1,024 x 1,024 tiles: 0.57 /
     3.80 s); 8 x 12 heads of 1,024 tokens 0.28 -> 0.21 s / 1.01 -> 0.86 s (256 x 256: no faster
     than 128); 12 query heads over 2 key/value heads, 8,192 tokens: 1.19 -> 0.85 s / 4.20 ->
-    3.82 s (512 x 512: 0.80 / 5.48 s). The CPU time of a step is not what fell (128 x 128 took
-    up to 19% less of it forward): its wall time did, the larger matmuls running on both cores.
+    3.82 s (512 x 512: 0.80 / 5.48 s). These are wall times; the former rule had been chosen by
+    CPU time (128 x 128 took 10-19% less of it than 256 x 256 forward).
     """
     cache = 2 * l2_cache_bytes() if cache_bytes is None else cache_bytes
     top = next((b for b in TILES if acc_itemsize * G * b * b <= cache), TILES[-1])
 
     def fit(length):
-        if not isinstance(length, int) or length <= top:
-            return min(length, top) if isinstance(length, int) else top
+        if not isinstance(length, int):  # symbolic (jax.export)
+            return top
+        if length <= top:
+            return length
         return next((b for b in TILES if b <= top and 8 * (-(-length // b) * b) <= 9 * length), TILES[-1])
 
     return fit(T), fit(S)
