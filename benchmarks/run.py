@@ -556,12 +556,12 @@ def _peaks_text(results: dict) -> str:
     return ", ".join(f"{name} {t * 1000:.0f} GFLOP/s" for name, t in peaks.items())
 
 
-HUGE_PAGES = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
+HUGE_PAGES = "glibc.malloc.hugetlb=1"  # a GLIBC_TUNABLES entry
 
 
 def _huge_pages() -> bool:
     """Whether this process started with glibc's malloc asking for transparent huge pages."""
-    return "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "").split(":")
+    return HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "").split(":")
 
 
 def main(argv=None) -> None:
@@ -580,14 +580,14 @@ def main(argv=None) -> None:
                         help="call flax_attn.keep_host_memory() first: XLA's temporaries reuse freed memory instead "
                              "of being faulted in at every call (PyTorch in the same process gets the same allocator)")
     parser.add_argument("--huge-pages", action="store_true",
-                        help=f"run again with {HUGE_PAGES} set (glibc >= 2.35, Linux with transparent huge pages "
+                        help=f"run again with GLIBC_TUNABLES={HUGE_PAGES} set (glibc >= 2.35, Linux with transparent huge pages "
                              "in 'madvise' or 'always' mode): glibc asks for 2 MiB pages for the memory it maps, so "
                              "a call faults its fresh buffers in 2 MiB pieces (the layer's forward+backward: 1/60 "
                              "of the page faults); for every contender and for the sweep's processes")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.huge_pages and not _huge_pages():
-        tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES.split("=", 1)[1]]))
+        tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.run"] + list(sys.argv[1:] if argv is None else argv),
                   {**os.environ, "GLIBC_TUNABLES": tunables})
     kept = False
