@@ -1,9 +1,16 @@
-"""The CPU's model name, as every benchmark names its machine in tables and result files."""
+"""The CPU every benchmark names in its tables and result files.
+
+A model name alone does not tell CPU kinds apart under a hypervisor: two generations of AMD's
+server parts both report ``AMD EPYC``, with different caches and matmul rates. So the kind
+is the model name with the x86 family and model numbers and the per-core L2 size beside it,
+and the result files carry the family and model in their names.
+"""
 from __future__ import annotations
 
 import platform
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 
 def name() -> str:
@@ -14,13 +21,46 @@ def name() -> str:
         return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name:"))
     except (OSError, subprocess.CalledProcessError, StopIteration):
         pass
+    return _cpuinfo().get("model name") or platform.processor() or "unknown cpu"
+
+
+def _cpuinfo() -> dict:
+    """The first processor's fields of Linux's /proc/cpuinfo ({} elsewhere)."""
     try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown cpu"
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def family_model() -> Optional[tuple[int, int]]:
+    """The x86 ``(cpu family, model)`` numbers from /proc/cpuinfo, e.g. ``(26, 2)``; None where
+    they are not published (not Linux, not x86)."""
+    info = _cpuinfo()
+    try:
+        return int(info["cpu family"]), int(info["model"])
+    except (KeyError, ValueError):
+        return None
+
+
+def kind() -> str:
+    """:func:`name` with the family, model and per-core L2 size, as the tables print the machine:
+    ``AMD EPYC (family 26, model 2, L2 2 MiB/core)``."""
+    from flax_attn.core import tuning
+
+    numbers = family_model()
+    parts = ([f"family {numbers[0]}", f"model {numbers[1]}"] if numbers else []) + [
+        f"L2 {tuning.l2_cache_bytes() / 2**20:g} MiB/core"]
+    return f"{name()} ({', '.join(parts)})"
 
 
 def slug() -> str:
-    """:func:`name` lowercased for file names, spaces to dashes, without (R)/(TM): ``amd-epyc``."""
-    return "-".join(name().lower().replace("(r)", "").replace("(tm)", "").split())
+    """:func:`name` lowercased for file names, spaces to dashes, without (R)/(TM), and the family
+    and model where known: ``amd-epyc-family26-model2``."""
+    base = "-".join(name().lower().replace("(r)", "").replace("(tm)", "").split())
+    numbers = family_model()
+    return base + (f"-family{numbers[0]}-model{numbers[1]}" if numbers else "")

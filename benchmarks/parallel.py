@@ -18,8 +18,8 @@ communication of a ring on a real cluster, computed on paper.
    bytes a device sends per ring step and in total, forward and backward, and the compute per
    step that has to hide them.
 
-Writes ``benchmarks/results/parallel-<cpu>.json`` (cpu: ``lscpu``'s model name, lowercased,
-spaces to dashes) and prints markdown tables. No assertions.
+Writes ``benchmarks/results/parallel-<cpu>.json`` (cpu: :func:`benchmarks.cpu.slug`, the model
+name with the x86 family and model) and prints markdown tables. No assertions.
 """
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ def main(argv=None):
 
     T = args.tokens or (1024 if args.quick else 8192)
     repeats = 1 if args.quick else args.repeats
-    machine = {"cpu": cpu.name(), "cores": os.cpu_count(), "jax": jax.__version__,
+    machine = {"cpu": cpu.kind(), "cores": os.cpu_count(), "jax": jax.__version__,
                "virtual_devices": jax.device_count(), "date": time.strftime("%Y-%m-%d")}
     print(f"measuring on {jax.device_count()} virtual CPU devices ({machine['cpu']}, {machine['cores']} cores)",
           flush=True)

@@ -68,7 +68,7 @@ def machine() -> dict:
                  "frameworks are measured on the same device")
     info = {
         "backend": "gpu" if gpu else "cpu",
-        "device": torch.cuda.get_device_name() if gpu else cpu.name(),
+        "device": torch.cuda.get_device_name() if gpu else cpu.kind(),
         "cpu_count": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
@@ -78,7 +78,8 @@ def machine() -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "load_average_at_start": _load(),
     }
-    info["name"] = f"{info['backend']}-{info['device'].replace(' ', '-').lower()}-{info['cpu_count']}cores"
+    info["name"] = (f"gpu-{info['device'].replace(' ', '-').lower()}" if gpu else f"cpu-{cpu.slug()}") + \
+        f"-{info['cpu_count']}cores"
     if gpu:
         info["datasheet_bf16_tflops"] = next((t for prefix, t in DATASHEET_BF16_TFLOPS
                                               if info["device"].startswith(prefix)), None)
