@@ -1,4 +1,5 @@
 """The examples run and reach their own checks (each exits non-zero when its check fails)."""
+import json
 import pathlib
 import subprocess
 import sys
@@ -33,3 +34,22 @@ def test_benchmark_suite_runs(tmp_path):
     assert "KV-cache decoding" in result.stdout
     assert "KV-cache decode step" in result.stdout  # against PyTorch eager (benchmarks.decode)
     assert "Absorbed multi-head latent attention decode step" in result.stdout  # benchmarks.decode_mla
+
+
+@pytest.mark.slow
+def test_benchmark_options_name_their_result_files(tmp_path):
+    # A partial run of chosen sweep contenders under glibc's huge-page tunable (the run re-executes
+    # itself with it set): the file name and the report say all three; a contender that does not
+    # exist is refused with the list of those that do.
+    root = EXAMPLES.parent
+    run = lambda *args: subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path),
+                                        *args], capture_output=True, text=True, timeout=600, cwd=root)
+    result = run("--parts", "sweep", "--sweep-impls", "jax.nn, torch SDPA", "--huge-pages")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    [written] = tmp_path.glob("*.json")
+    assert written.name.endswith("-smoke-sweep-jaxnn-torchSDPA-hugetlb.json")
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in result.stdout
+    report = json.loads(written.read_text())
+    assert {row["impl"] for row in report["length_sweep"]} == {"jax.nn", "torch SDPA"}
+    refused = run("--parts", "sweep", "--sweep-impls", "jax.nn,flash")
+    assert refused.returncode == 2 and "--sweep-impls: ['flash'] not among" in refused.stderr
