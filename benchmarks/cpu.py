@@ -49,7 +49,7 @@ def family_model() -> Optional[tuple[int, int]]:
 
 def kind() -> str:
     """:func:`name` with the family, model and per-core L2 size, as the tables print the machine:
-    ``AMD EPYC (family 26, model 2, L2 2 MiB/core)``."""
+    ``AMD EPYC (family 26, model 2, L2 1 MiB/core)``."""
     from flax_attn.core import tuning
 
     numbers = family_model()
