@@ -68,7 +68,10 @@ class Blockwise(Implementation):
         tile whose logits over a unit's query heads fit the L2 caches of two cores, at most an
         eighth of padding (:func:`flax_attn.core.tuning.blockwise_tiles`; 512 x 512 for
         multi-head float32 attention on a 1 MiB L2, 256 x 256 with 6 query heads per key/value
-        head).
+        head). A call that is not differentiated takes larger tiles where they pad the lengths
+        alike (:func:`flax_attn.core.tuning.blockwise_forward_tiles`: 1,024 x 1,024 and 512 x
+        512 there); derivatives keep these, so that their passes recompute the forward's logits
+        bit for bit.
       unit_chunk: how many (batch row, key/value head) units one step computes together (one
         batched matmul over them); the largest divisor of B*K up to this.
       streams: the units split into this many independent loops, which a runtime may run
@@ -112,7 +115,7 @@ class Blockwise(Implementation):
             spec = dataclasses.replace(spec, scale=1.0)
         qu, ku, vu = _to_units(spec, query, key, value)
         leaves, treedef = jax.tree_util.tree_flatten(mask)
-        ou, m, l = _attention(spec, treedef, qu, ku, vu, *leaves)
+        ou, m, l = _attention(spec, spec.undifferentiated(call, self), treedef, qu, ku, vu, *leaves)
         out = _from_units(spec, ou).astype(query.dtype)
         lse = None
         if call.return_residual:
@@ -158,6 +161,17 @@ class _Spec(BlockedLengths):
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
                    tuning.unit_chunk(call.B, call.K, impl.unit_chunk),
                    tuning.cpu_cores() if impl.streams is None else impl.streams)
+
+    def undifferentiated(self, call, impl: Blockwise) -> "_Spec":
+        """This spec with the tiles of a call that is not differentiated
+        (:func:`flax_attn.core.tuning.blockwise_forward_tiles`), where neither tile was given and
+        they pad the lengths as this spec's do; else this spec (also for symbolic lengths)."""
+        if impl.block_q is not None or impl.block_k is not None or not (isinstance(call.T, int)
+                                                                         and isinstance(call.S, int)):
+            return self
+        fq, fk = tuning.blockwise_forward_tiles(call.T, call.S, call.G, jnp.dtype(call.acc_dtype).itemsize)
+        forward = dataclasses.replace(self, bq=fq, bk=fk)
+        return forward if (forward.Tp, forward.Sp) == (self.Tp, self.Sp) else self
 
 
 def _to_units(spec, q, k, v):
@@ -347,16 +361,19 @@ def _tangent(spec, mask, mask_dot, qu, ku, vu, m, l, ou, qd, kd, vd):
     return _map_units(spec, chunk, (units, qu, ku, vu, m, inv_l, ou, qd, kd, vd))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _attention(spec, treedef, qu, ku, vu, *leaves):
-    return _forward(spec, jax.tree_util.tree_unflatten(treedef, leaves), qu, ku, vu)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _attention(spec, primal_spec, treedef, qu, ku, vu, *leaves):
+    """The blockwise attention of the units: ``primal_spec``'s tiles where the call is not
+    differentiated, ``spec``'s in the forward and tangent passes of a derivative (which then
+    recompute the forward's logits bit for bit). Both pad the lengths alike."""
+    return _forward(primal_spec, jax.tree_util.tree_unflatten(treedef, leaves), qu, ku, vu)
 
 
 @_attention.defjvp
-def _attention_jvp(spec, treedef, primals, tangents):
+def _attention_jvp(spec, primal_spec, treedef, primals, tangents):
     qu, ku, vu, *leaves = primals
     qd, kd, vd, *leaves_dot = tangents
-    ou, m, l = _attention(spec, treedef, qu, ku, vu, *leaves)
+    ou, m, l = _attention(spec, spec, treedef, qu, ku, vu, *leaves)
     mask = jax.tree_util.tree_unflatten(treedef, leaves)
     mask_dot = mask.with_tangents(jax.tree_util.tree_unflatten(treedef, leaves_dot))
     od, c = _tangent(spec, mask, mask_dot, qu, ku, vu, m, l, ou, qd, kd, vd)

@@ -253,6 +253,37 @@ def test_blockwise_takes_its_tiles_unless_given(monkeypatch):
     assert (given.bq, given.bk) == (64, 2048)   # given tiles win, within the lengths
 
 
+@pytest.mark.parametrize("feature", ["causal", "window-two-sided", "segments", "mask-bias-softcap"])
+def test_undifferentiated_calls_take_the_forward_tiles(monkeypatch, feature):
+    """A call that is not differentiated runs on the larger forward tiles
+    (tuning.blockwise_forward_tiles) where they pad the lengths alike; derivatives keep the
+    training tiles. Both held to the reference, float64."""
+    from flax_attn.core import tuning
+    from flax_attn.core.blockwise import _Spec
+    from flax_attn.core.call import describe
+
+    monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 32 << 10)  # float64, 2 query heads a unit: 64 / 128 tiles
+    spec_of = lambda T, impl=Blockwise(): _Spec.of(describe(*_shapes(T), is_causal=True, platform="cpu"), impl)
+    undiff = lambda T, impl=Blockwise(): spec_of(T, impl).undifferentiated(
+        describe(*_shapes(T), is_causal=True, platform="cpu"), impl)
+    assert (spec_of(256).bq, spec_of(256).bk) == (64, 64)
+    assert (undiff(256).bq, undiff(256).bk) == (128, 128)
+    assert undiff(120) == spec_of(120)  # one block of 120 would not pad as two of 64 do (to 128)
+    given = Blockwise(block_q=64)
+    assert undiff(256, given) == spec_of(256, given)  # a given tile is kept
+    q, k, v, bias, kw = _case(feature, T=256, S=256, N=4, K=2)
+    ref_out, ref_grads = _results("xla", q, k, v, bias, kw, np.float64)
+    out, grads = _results(Blockwise(), q, k, v, bias, kw, np.float64)
+    assert_close(out, ref_out, np.float64, "output")
+    for name, g, rg in zip(["dq", "dk", "dv", "dbias"], grads, ref_grads):
+        assert_close(g, rg, np.float64, name)
+
+
+def _shapes(T, N=4, K=2, H=8):
+    return (jax.ShapeDtypeStruct((2, T, N, H), jnp.float64), jax.ShapeDtypeStruct((2, T, K, H), jnp.float64),
+            jax.ShapeDtypeStruct((2, T, K, H), jnp.float64))
+
+
 def test_power_of_two_scale_is_applied_to_the_queries_only_where_exact():
     from flax_attn.core.numerics import scale_is_exact as exact
 
