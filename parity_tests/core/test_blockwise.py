@@ -266,12 +266,13 @@ def test_undifferentiated_calls_take_the_forward_tiles(monkeypatch, feature):
     spec_of = lambda T, impl=Blockwise(): _Spec.of(describe(*_shapes(T), is_causal=True, platform="cpu"), impl)
     undiff = lambda T, impl=Blockwise(): spec_of(T, impl).undifferentiated(
         describe(*_shapes(T), is_causal=True, platform="cpu"), impl)
-    assert (spec_of(256).bq, spec_of(256).bk) == (64, 64)
-    assert (undiff(256).bq, undiff(256).bk) == (128, 128)
-    assert undiff(120) == spec_of(120)  # one block of 120 would not pad as two of 64 do (to 128)
+    assert (spec_of(512).bq, spec_of(512).bk) == (64, 64)
+    assert (undiff(512).bq, undiff(512).bk) == (128, 128)
+    assert undiff(256) == spec_of(256)  # fewer than four forward tiles: a causal mask would skip less
+    assert (undiff(576).bq, spec_of(576).bq) == (64, 64)  # tiles of 128 would pad 576 to 640, of 64 not at all
     given = Blockwise(block_q=64)
-    assert undiff(256, given) == spec_of(256, given)  # a given tile is kept
-    q, k, v, bias, kw = _case(feature, T=256, S=256, N=4, K=2)
+    assert undiff(512, given) == spec_of(512, given)  # a given tile is kept
+    q, k, v, bias, kw = _case(feature, T=512, S=512, N=4, K=2)
     ref_out, ref_grads = _results("xla", q, k, v, bias, kw, np.float64)
     out, grads = _results(Blockwise(), q, k, v, bias, kw, np.float64)
     assert_close(out, ref_out, np.float64, "output")
