@@ -123,10 +123,11 @@ def blockwise_forward_tiles(T, S, G: int, acc_itemsize: int = 4) -> tuple:
 
     Measured on a 2-core AMD EPYC (family 26, 1 MiB L2 per core), causal, 64-dim float32 heads,
     forward alone in turns, against :func:`blockwise_tiles`' choice: 1 x 8 heads of 4,096 /
-    8,192 / 16,384 tokens 0.100 -> 0.084 s / 0.335 -> 0.269 s / 1.26 -> 0.99 s; 8 x 12 heads of
-    1,024 tokens 0.129 -> 0.126 s; 12 query heads over 2 key/value heads, 8,192 tokens 0.414 ->
-    0.378 s (1,024 x 1,024 there: 0.485 s). Reverse mode is faster with the smaller tiles (1 x 8 x
-    8,192: 1.76 s forward+backward at 512, 2.77 s at 1,024), so differentiated calls keep them.
+    8,192 / 16,384 tokens 0.100 -> 0.084 s / 0.335 -> 0.269 s / 1.26 -> 0.99 s; 12 query heads
+    over 2 key/value heads, 8,192 tokens 0.414 -> 0.378 s (1,024 x 1,024 there: 0.485 s). Reverse
+    mode is faster with the smaller tiles (1 x 8 x 8,192: 1.76 s forward+backward at 512, 2.77 s
+    at 1,024), so differentiated calls keep them; shorter lengths than four such tiles keep them
+    too (the blockwise path decides: a causal mask skips less of fewer tiles).
     """
     return blockwise_tiles(T, S, G, acc_itemsize, 8 * l2_cache_bytes(), FORWARD_TILES)
 
