@@ -164,18 +164,13 @@ class _Spec(BlockedLengths):
 
     def undifferentiated(self, call, impl: Blockwise) -> "_Spec":
         """This spec with the tiles of a call that is not differentiated
-        (:func:`flax_attn.core.tuning.blockwise_forward_tiles`), where neither tile was given,
-        both lengths span at least four of them and they pad the lengths as this spec's do; else
-        this spec (also for symbolic lengths). Fewer, larger tiles skip less of a causal mask: 1
-        x 8 heads of 1,024 tokens took 0.012 s forward in one tile of 1,024 against 0.009 s in
-        tiles of 512, of 2,048 tokens 0.028 against 0.026 s (AMD EPYC family 26)."""
-        if impl.block_q is not None or impl.block_k is not None or not (isinstance(call.T, int)
-                                                                         and isinstance(call.S, int)):
-            return self
+        (:func:`flax_attn.core.tuning.blockwise_forward_tiles`), where neither tile was given and
+        they pad the lengths as this spec's do; else this spec."""
         fq, fk = tuning.blockwise_forward_tiles(call.T, call.S, call.G, jnp.dtype(call.acc_dtype).itemsize)
+        if impl.block_q is not None or impl.block_k is not None or (fq, fk) == (self.bq, self.bk):
+            return self
         forward = dataclasses.replace(self, bq=fq, bk=fk)
-        long_enough = call.T >= 4 * fq and call.S >= 4 * fk
-        return forward if long_enough and (forward.Tp, forward.Sp) == (self.Tp, self.Sp) else self
+        return forward if (forward.Tp, forward.Sp) == (self.Tp, self.Sp) else self
 
 
 def _to_units(spec, q, k, v):

@@ -269,6 +269,8 @@ def test_undifferentiated_calls_take_the_forward_tiles(monkeypatch, feature):
     assert (spec_of(512).bq, spec_of(512).bk) == (64, 64)
     assert (undiff(512).bq, undiff(512).bk) == (128, 128)
     assert undiff(256) == spec_of(256)  # fewer than four forward tiles: a causal mask would skip less
+    assert tuning.blockwise_forward_tiles(256, 256, 2, 8) == tuning.blockwise_tiles(256, 256, 2, 8) == (64, 64)
+    assert tuning.blockwise_forward_tiles(512, 512, 2, 8) == (128, 128)
     assert (undiff(576).bq, spec_of(576).bq) == (64, 64)  # tiles of 128 would pad 576 to 640, of 64 not at all
     given = Blockwise(block_q=64)
     assert undiff(512, given) == spec_of(512, given)  # a given tile is kept
