@@ -170,8 +170,8 @@ def keep_host_memory() -> bool:
     call on a 2-core AMD EPYC). This sets glibc to keep one arena (``M_ARENA_MAX=1``),
     to serve every request from its heap (``M_MMAP_MAX=0``) and to return freed memory to the
     system only past 2 GiB free at its top (``M_TRIM_THRESHOLD``): after a few calls the same
-    program faults no page in most runs (some buffers, such as a call's output, may still be
-    mapped anew: at least half the faults go either way). The same settings for any program,
+    program faults no page in most calls (in a few, on a busy host, buffers such as a call's
+    output are still mapped anew). The same settings for any program,
     without code:
     ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647``.
 

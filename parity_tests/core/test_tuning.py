@@ -10,7 +10,7 @@ import sys
 import pytest
 
 CHILD = r"""
-import resource, sys
+import resource, statistics, sys
 import flax_attn as fa
 applied = fa.keep_host_memory() if sys.argv[1] == "keep" else None
 import jax, jax.numpy as jnp
@@ -19,10 +19,12 @@ f = jax.jit(lambda x: fa.dot_product_attention(x, x, x, is_causal=True, implemen
 temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes
 for _ in range(4):  # the heap settles after a few calls
     f(x).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+per_call = []
+for _ in range(7):  # the median call: on a busy host a call now and then still maps a buffer anew
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+    per_call.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+faults = statistics.median(per_call)
 try:
     fa.keep_host_memory()
     late = "accepted"
@@ -49,7 +51,8 @@ def test_keep_host_memory_stops_per_call_page_faults():
     assert applied == "True"
     pages = temp // 4096  # the program's temporaries in pages of 4 KiB: the default allocator maps them anew
     assert temp > 64 << 20 and default_faults > pages, (temp, default_faults)
-    # kept: none in most runs; some buffers (e.g. an output of 6,144 pages) are still mapped anew in others
+    # kept: none in most calls; in a few, on a busy host, some buffers (e.g. outputs of 6,144 pages)
+    # are still mapped anew (measured with three other busy processes: 12,288-24,578 in 1-2 calls of 8)
     assert kept_faults < default_faults / 2, (kept_faults, default_faults)
     assert late.startswith("keep_host_memory() must run before JAX runs anything")
 
