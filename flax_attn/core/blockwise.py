@@ -152,6 +152,7 @@ class _Spec(BlockedLengths):
     bk: int
     chunk: int
     streams: int
+    platform: str
 
     @classmethod
     def of(cls, call, impl: Blockwise) -> "_Spec":
@@ -160,7 +161,7 @@ class _Spec(BlockedLengths):
         bk = tk if impl.block_k is None else min(call.S, impl.block_k)
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
                    tuning.unit_chunk(call.B, call.K, impl.unit_chunk),
-                   tuning.cpu_cores() if impl.streams is None else impl.streams)
+                   tuning.cpu_cores() if impl.streams is None else impl.streams, call.platform)
 
     def undifferentiated(self, call, impl: Blockwise) -> "_Spec":
         """This spec with the tiles of a call that is not differentiated
@@ -292,15 +293,29 @@ def _forward(spec, mask, qu, ku, vu):
     return _map_units(spec, chunk, (units, qu, ku, vu))
 
 
+KEYS_MAJOR_MIN_TILE = 128
+"""On CPU, tiles of at least this many queries and keys write the keys' tangent term keys-major
+(:func:`flax_attn.core.numerics.keys_major_product`): reverse mode then computes each block's key
+gradient as ``(q^T ds)^T`` from a small transposed copy of the queries, where the plain form
+had XLA write ``ds^T``, a transposed copy of the whole block, before its matmul. Measured
+forward+backward on a 2-core AMD EPYC (family 26), causal, float32, 64-dim heads, in turns in
+one process: 1 x 8 heads, 4,096 tokens 0.481 -> 0.385 s, 8,192 tokens 1.85 -> 1.38 s; 12 query
+heads over 2, 4,096 tokens 0.588 -> 0.425 s; 8 x 12 heads, 1,024 tokens 0.522 -> 0.433 s; tiles
+of 128 (1 x 8 x 1,024) 0.049 -> 0.041 s; tiles of 64: 0.056 -> 0.060 s (slower), hence 128."""
+
+
 def _tangent(spec, mask, mask_dot, qu, ku, vu, m, l, ou, qd, kd, vd):
     """The blockwise tangent: (out', c) per unit, c = sum_j p_j ds_j (the tangent of the lse).
 
     Key blocks are scanned as sequences (not sliced from loop constants), and both loop bodies
     are recomputed in the transposed pass (``jax.checkpoint``): reverse mode then stores nothing
-    per block and accumulates each key block's gradient once per query block.
+    per block and accumulates each key block's gradient once per query block. On CPU, from
+    tiles of :data:`KEYS_MAJOR_MIN_TILE` on, the keys' tangent enters through
+    :func:`flax_attn.core.numerics.keys_major_product`.
     """
     G, bq, bk = spec.G, spec.bq, spec.bk
     nk = spec.Sp // bk
+    keys_major = spec.platform == "cpu" and min(bq, bk) >= KEYS_MAJOR_MIN_TILE
     acc_t = jnp.promote_types(qu.dtype, jnp.float32)
     mm = functools.partial(jnp.einsum, precision=spec.precision, preferred_element_type=acc_t)
     inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
@@ -312,7 +327,12 @@ def _tangent(spec, mask, mask_dot, qu, ku, vu, m, l, ou, qd, kd, vd):
             b, heads = u // spec.K, ((u % spec.K) * G, G)
             s = _block_logits(spec, mask, u, qi, kj, i, j, bk, masked)
             p = jnp.exp(s - mi[..., None]) * ili[..., None]
-            ds = (mm("gqh,kh->gqk", qdi, kj) + mm("gqh,kh->gqk", qi, kdj)) * jnp.asarray(spec.scale, acc_t)
+            if keys_major:
+                keys_term = numerics.keys_major_product(qi.reshape(G * bq, -1), kdj, spec.precision, acc_t,
+                                                        rows_out=False).reshape(G, bq, bk)
+            else:
+                keys_term = mm("gqh,kh->gqk", qi, kdj)
+            ds = (mm("gqh,kh->gqk", qdi, kj) + keys_term) * jnp.asarray(spec.scale, acc_t)
             if spec.softcap is not None:
                 raw = mm("gqh,kh->gqk", qi, kj) * jnp.asarray(spec.scale, acc_t)
                 ds = ds * (1.0 - jnp.tanh(raw / spec.softcap) ** 2)

@@ -169,7 +169,7 @@ def softmax_values(logits, allowed, values, precision=None, platform=None):
     over the logits where differentiating the softmax itself takes about seven. ``P`` comes from
     ``m`` and ``Z`` rather than from ``exp(s - lse)``: at logits near 6e4 in float32 ``s - lse``
     loses the low bits that ``s - m`` keeps. On CPU, from :data:`KEYS_MAJOR_TANGENT_MIN` rows
-    and keys on, the values' tangent enters through :func:`_keys_major_product`, so that
+    and keys on, the values' tangent enters through :func:`keys_major_product`, so that
     reverse mode computes the values' gradient as ``(dout^T P)^T``.
 
     The rows are normalised after the matmul, ``(exp(s - m) @ values) / Z``: one pass over the
@@ -195,7 +195,7 @@ def _softmax_values_jvp(precision, platform, primals, tangents):
     pds = weights * jnp.where(ok, d_logits, 0)
     d_lse = jnp.sum(pds, axis=-1, keepdims=True)
     if _tangent_keys_major(weights, platform):
-        values_term = _keys_major_product(weights, d_values, precision, logits.dtype, rows_out=True)
+        values_term = keys_major_product(weights, d_values, precision, logits.dtype, rows_out=True)
     else:
         values_term = weighted_values(weights, d_values, precision, logits.dtype)
     d_out = weighted_values(pds - weights * d_lse, values, precision, logits.dtype) + values_term
@@ -212,7 +212,7 @@ def _tangent_keys_major(logits, platform) -> bool:
     return platform == "cpu" and min(R, S) >= KEYS_MAJOR_TANGENT_MIN
 
 
-def _keys_major_product(rows, keys_tangent, precision, acc, rows_out):
+def keys_major_product(rows, keys_tangent, precision, acc, rows_out):
     """A tangent term that is a batched matmul of a primal's ``rows (..., R, X)`` with a
     keys-major tangent ``(..., S, Y)``, written so that reverse mode computes the tangent's
     gradient ``(..., S, Y)`` as ``(A^T B)^T`` with ``A^T`` a small transposed copy: the form
@@ -262,7 +262,7 @@ def key_logits(queries, keys, precision, acc, platform=None):
     10-37% faster with 8,192 keys, 8-48% with 1,202.
 
     Its derivative (a custom JVP) is the matmul's; on CPU, from :data:`KEYS_MAJOR_TANGENT_MIN`
-    rows and keys on, the keys' tangent enters through :func:`_keys_major_product`, so that
+    rows and keys on, the keys' tangent enters through :func:`keys_major_product`, so that
     reverse mode computes the keys' gradient as ``(q^T ds)^T``.
     """
     R, S = queries.shape[-2], keys.shape[-2]
@@ -279,7 +279,7 @@ def _key_logits_jvp(precision, acc, platform, primals, tangents):
     out = key_logits(queries, keys, precision, acc, platform)
     d_out = key_logits(d_queries, keys, precision, acc, platform)
     if _tangent_keys_major(out, platform):
-        d_out = d_out + _keys_major_product(queries, d_keys, precision, acc, rows_out=False)
+        d_out = d_out + keys_major_product(queries, d_keys, precision, acc, rows_out=False)
     else:
         d_out = d_out + key_logits(queries, d_keys, precision, acc, platform)
     return out, d_out

@@ -189,6 +189,31 @@ def test_blockwise_chunk_not_dividing_units_and_forward_mode():
     assert_close(out[1], ref[1], np.float64, "jvp")
 
 
+@pytest.mark.parametrize("feature", FEATURES)
+def test_keys_major_key_tangent_equals_reference(monkeypatch, feature):
+    """On CPU, tiles from KEYS_MAJOR_MIN_TILE on write the keys' tangent term keys-major (reverse
+    mode's key gradient as (q^T ds)^T): made to apply to tiles of 8 here, float64 outputs,
+    gradients and forward-mode tangents against the reference; the reverse program loses the
+    form's barriers where the tiles are below the threshold."""
+    from flax_attn.core import blockwise
+
+    monkeypatch.setattr(blockwise, "KEYS_MAJOR_MIN_TILE", 8)
+    _check_blockwise(feature, "T<S", (4, 2), np.float64, SMALL)
+    q, k, v, bias, kw = _case(feature, T=20, S=45)
+    kw = {key: (jnp.asarray(val) if isinstance(val, np.ndarray) else val) for key, val in kw.items()}
+    mask = kw.pop("mask", None)
+    f = lambda impl: lambda q, k, v: fa.dot_product_attention(q, k, v, bias, mask, implementation=impl, **kw)
+    args = tuple(map(jnp.asarray, (q, k, v)))
+    tangents = tuple(jnp.asarray(np.random.default_rng(3).standard_normal(x.shape)) for x in args)
+    ref, out = jax.jvp(f("xla"), args, tangents), jax.jvp(f(SMALL), args, tangents)
+    assert_close(out[0], ref[0], np.float64, "output")
+    assert_close(out[1], ref[1], np.float64, "jvp")
+    reverse = lambda impl: jax.jit(jax.grad(lambda *a: jnp.sum(f(impl)(*a)), argnums=(0, 1, 2))).lower(*args).as_text()
+    barriers = reverse(SMALL).count("optimization_barrier")  # jax.checkpoint's own are there either way
+    monkeypatch.setattr(blockwise, "KEYS_MAJOR_MIN_TILE", 9)
+    assert reverse(SMALL).count("optimization_barrier") < barriers
+
+
 @pytest.mark.parametrize("field", ["block_q", "block_k", "unit_chunk", "streams"])
 def test_blockwise_rejects_bad_knobs(field):
     with pytest.raises(ValueError, match=f"Blockwise {field} must be a positive integer, got 0"):
