@@ -54,6 +54,13 @@ from flax_attn.core.mask import EMPTY, FULL, PARTIAL
 from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
 
+ACCELERATOR_STEP_BYTES = 128 << 20
+"""On a GPU or TPU, the default ``unit_chunk`` takes as many units a step as keep the step's
+logits (units x query heads per unit x ``block_q`` x ``block_k``) within this many bytes: 128
+units of multi-head float32 attention at tiles of 512 x 512. Not measured on a device (none
+was available); on CPU the path runs one unit a step."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Blockwise(Implementation):
     """Flash-style attention; no dropout, no returned weights.
@@ -73,7 +80,11 @@ class Blockwise(Implementation):
         512 there); derivatives keep these, so that their passes recompute the forward's logits
         bit for bit.
       unit_chunk: how many (batch row, key/value head) units one step computes together (one
-        batched matmul over them); the largest divisor of B*K up to this.
+        batched matmul over them); the largest divisor of B*K up to this. None: one unit a step
+        on CPU (more gave no speed-up there: XLA spreads each matmul over the cores already);
+        on a GPU or TPU, as many units as keep a step's logits within
+        :data:`ACCELERATOR_STEP_BYTES` (every unit, for most calls), so that a step is one
+        launch over the batch and the heads rather than one per unit.
       streams: the units split into this many independent loops, which a runtime may run
         concurrently (default 1: XLA's CPU runtime in JAX 0.10 runs them one after another);
         None: the cores this process may use (:func:`flax_attn.core.tuning.cpu_cores`).
@@ -83,7 +94,7 @@ class Blockwise(Implementation):
     name: str = "blockwise"
     block_q: Optional[int] = None
     block_k: Optional[int] = None
-    unit_chunk: int = 1
+    unit_chunk: Optional[int] = None
     streams: Optional[int] = 1
     min_length: int = 128         # the automatic choice takes it on CPU once T and S reach this
 
@@ -92,9 +103,10 @@ class Blockwise(Implementation):
             value = getattr(self, field)
             if value is not None:
                 _checks.check_positive_int(f"Blockwise {field}", value)
-        _checks.check_positive_int("Blockwise unit_chunk", self.unit_chunk)
-        if self.streams is not None:
-            _checks.check_positive_int("Blockwise streams", self.streams)
+        for field in ("unit_chunk", "streams"):
+            value = getattr(self, field)
+            if value is not None:
+                _checks.check_positive_int(f"Blockwise {field}", value)
 
     def supports(self, call) -> Optional[str]:
         return refuses_dropout_and_weights(call)
@@ -159,8 +171,12 @@ class _Spec(BlockedLengths):
         tq, tk = tuning.blockwise_tiles(call.T, call.S, call.G, jnp.dtype(call.acc_dtype).itemsize)
         bq = tq if impl.block_q is None else min(call.T, impl.block_q)
         bk = tk if impl.block_k is None else min(call.S, impl.block_k)
+        chunk = impl.unit_chunk
+        if chunk is None:
+            step_bytes = call.G * bq * bk * jnp.dtype(call.acc_dtype).itemsize
+            chunk = 1 if call.platform == "cpu" else max(1, ACCELERATOR_STEP_BYTES // step_bytes)
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
-                   tuning.unit_chunk(call.B, call.K, impl.unit_chunk),
+                   tuning.unit_chunk(call.B, call.K, chunk),
                    tuning.cpu_cores() if impl.streams is None else impl.streams, call.platform)
 
     def undifferentiated(self, call, impl: Blockwise) -> "_Spec":

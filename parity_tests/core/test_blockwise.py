@@ -166,11 +166,37 @@ def test_memory_grows_linearly_for_blockwise_quadratically_for_xla():
 # is then the one of the whole chunk, so rules that differ between batch rows (lengths,
 # segments, a per-row mask) make a block partial for some units and empty or full for others.
 CHUNKED = Blockwise(block_q=8, block_k=8, unit_chunk=2, streams=2)
+ALL_UNITS = Blockwise(block_q=8, block_k=8, unit_chunk=4)  # B*K = 4: every unit in one step, as on a GPU
 
 
+@pytest.mark.parametrize("impl", [CHUNKED, ALL_UNITS], ids=["chunks-of-2-streams-2", "all-units"])
 @pytest.mark.parametrize("feature", ["causal", "lengths", "segments", "mask-bias-softcap"])
-def test_blockwise_units_in_chunks_and_streams_equal_reference(feature):
-    _check_blockwise(feature, "T<S", (4, 2), np.float64, CHUNKED)
+def test_blockwise_units_in_chunks_and_streams_equal_reference(feature, impl):
+    _check_blockwise(feature, "T<S", (4, 2), np.float64, impl)
+
+
+def test_default_unit_chunk_is_one_on_cpu_and_the_batch_and_heads_on_accelerators(monkeypatch):
+    """One (batch row, key/value head) unit a step on CPU; on a GPU or TPU as many as keep a
+    step's logits within ACCELERATOR_STEP_BYTES (128 MiB: 128 units of 512 x 512 float32)."""
+    import dataclasses
+
+    from flax_attn.core import tuning
+    from flax_attn.core.blockwise import _Spec
+    from flax_attn.core.call import describe
+
+    monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 1 << 20)  # tiles of 512 x 512 below
+    shapes = lambda B, N, K: (jax.ShapeDtypeStruct((B, 4096, N, 64), jnp.float32),
+                              jax.ShapeDtypeStruct((B, 4096, K, 64), jnp.float32),
+                              jax.ShapeDtypeStruct((B, 4096, K, 64), jnp.float32))
+    chunk = lambda platform, B, N, K, impl=Blockwise(): _Spec.of(
+        describe(*shapes(B, N, K), is_causal=True, platform=platform), impl).chunk
+    assert chunk("cpu", 8, 12, 12) == 1
+    assert chunk("gpu", 8, 12, 12) == chunk("tpu", 8, 12, 12) == 96    # every unit: 96 MiB of logits
+    assert chunk("gpu", 3, 5, 5) == 15
+    assert chunk("gpu", 64, 32, 32) == 128                              # 2,048 units: 128 a step
+    assert chunk("gpu", 64, 32, 32, Blockwise(unit_chunk=2)) == 2       # a given chunk is kept
+    spec = _Spec.of(describe(*shapes(64, 32, 32), is_causal=True, platform="gpu"), Blockwise())
+    assert (spec.bq, spec.bk) == (512, 512)
 
 
 def test_blockwise_chunk_not_dividing_units_and_forward_mode():
