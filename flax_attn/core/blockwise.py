@@ -99,11 +99,7 @@ class Blockwise(Implementation):
     min_length: int = 128         # the automatic choice takes it on CPU once T and S reach this
 
     def __post_init__(self):
-        for field in ("block_q", "block_k"):
-            value = getattr(self, field)
-            if value is not None:
-                _checks.check_positive_int(f"Blockwise {field}", value)
-        for field in ("unit_chunk", "streams"):
+        for field in ("block_q", "block_k", "unit_chunk", "streams"):
             value = getattr(self, field)
             if value is not None:
                 _checks.check_positive_int(f"Blockwise {field}", value)

@@ -178,8 +178,6 @@ def test_blockwise_units_in_chunks_and_streams_equal_reference(feature, impl):
 def test_default_unit_chunk_is_one_on_cpu_and_the_batch_and_heads_on_accelerators(monkeypatch):
     """One (batch row, key/value head) unit a step on CPU; on a GPU or TPU as many as keep a
     step's logits within ACCELERATOR_STEP_BYTES (128 MiB: 128 units of 512 x 512 float32)."""
-    import dataclasses
-
     from flax_attn.core import tuning
     from flax_attn.core.blockwise import _Spec
     from flax_attn.core.call import describe
