@@ -167,12 +167,8 @@ class _Spec(BlockedLengths):
         tq, tk = tuning.blockwise_tiles(call.T, call.S, call.G, jnp.dtype(call.acc_dtype).itemsize)
         bq = tq if impl.block_q is None else min(call.T, impl.block_q)
         bk = tk if impl.block_k is None else min(call.S, impl.block_k)
-        chunk = impl.unit_chunk
-        if chunk is None:
-            step_bytes = call.G * bq * bk * jnp.dtype(call.acc_dtype).itemsize
-            chunk = 1 if call.platform == "cpu" else max(1, ACCELERATOR_STEP_BYTES // step_bytes)
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
-                   tuning.unit_chunk(call.B, call.K, chunk),
+                   _unit_chunk(call, impl, bq, bk),
                    tuning.cpu_cores() if impl.streams is None else impl.streams, call.platform)
 
     def undifferentiated(self, call, impl: Blockwise) -> "_Spec":
@@ -182,8 +178,18 @@ class _Spec(BlockedLengths):
         fq, fk = tuning.blockwise_forward_tiles(call.T, call.S, call.G, jnp.dtype(call.acc_dtype).itemsize)
         if impl.block_q is not None or impl.block_k is not None or (fq, fk) == (self.bq, self.bk):
             return self
-        forward = dataclasses.replace(self, bq=fq, bk=fk)
+        forward = dataclasses.replace(self, bq=fq, bk=fk, chunk=_unit_chunk(call, impl, fq, fk))
         return forward if (forward.Tp, forward.Sp) == (self.Tp, self.Sp) else self
+
+
+def _unit_chunk(call, impl: Blockwise, bq: int, bk: int) -> int:
+    """Units a step: ``impl.unit_chunk`` if given, else 1 on CPU and elsewhere as many as keep a
+    step's logits at tiles ``bq x bk`` within :data:`ACCELERATOR_STEP_BYTES`."""
+    chunk = impl.unit_chunk
+    if chunk is None:
+        step_bytes = call.G * bq * bk * jnp.dtype(call.acc_dtype).itemsize
+        chunk = 1 if call.platform == "cpu" else max(1, ACCELERATOR_STEP_BYTES // step_bytes)
+    return tuning.unit_chunk(call.B, call.K, chunk)
 
 
 def _to_units(spec, q, k, v):

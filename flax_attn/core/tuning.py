@@ -125,8 +125,9 @@ def blockwise_forward_tiles(T, S, G: int, acc_itemsize: int = 4) -> tuple:
     forward alone in turns, against :func:`blockwise_tiles`' choice: 1 x 8 heads of 4,096 /
     8,192 / 16,384 tokens 0.100 -> 0.084 s / 0.335 -> 0.269 s / 1.26 -> 0.99 s; 12 query heads
     over 2 key/value heads, 8,192 tokens 0.414 -> 0.378 s (1,024 x 1,024 there: 0.485 s). Reverse
-    mode is faster with the smaller tiles (1 x 8 x 8,192: 1.76 s forward+backward at 512, 2.77 s
-    at 1,024), so differentiated calls keep them. So do lengths shorter than four of the larger
+    mode gains nothing from them (1 x 8 x 8,192 forward+backward: 1.49 s at 512, 1.46 s at
+    1,024; 1.76 / 2.77 s before the keys-major key gradient), so differentiated calls keep the
+    smaller ones. So do lengths shorter than four of the larger
     tiles, and symbolic ones: fewer, larger tiles skip less of a causal mask (1 x 8 heads of
     1,024 tokens took 0.012 s forward in one tile of 1,024 against 0.009 s in tiles of 512; of
     2,048 tokens 0.028 against 0.026 s).

@@ -195,6 +195,10 @@ def test_default_unit_chunk_is_one_on_cpu_and_the_batch_and_heads_on_accelerator
     assert chunk("gpu", 64, 32, 32, Blockwise(unit_chunk=2)) == 2       # a given chunk is kept
     spec = _Spec.of(describe(*shapes(64, 32, 32), is_causal=True, platform="gpu"), Blockwise())
     assert (spec.bq, spec.bk) == (512, 512)
+    # a call that is not differentiated: tiles of 1,024 (4 MiB of logits a unit), 32 of 96 units a step
+    call = describe(*shapes(8, 12, 12), is_causal=True, platform="gpu")
+    forward = _Spec.of(call, Blockwise()).undifferentiated(call, Blockwise())
+    assert (forward.bq, forward.bk, forward.chunk) == (1024, 1024, 32)
 
 
 def test_blockwise_chunk_not_dividing_units_and_forward_mode():
