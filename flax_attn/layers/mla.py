@@ -75,8 +75,8 @@ import numpy as np
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 from flax_attn.layers.cache import combined_mask, one_query_key_positions, truncate_slots
-from flax_attn.layers.common import (check_floating, declare, declared, dense, dropout_rng, linear_params,
-                                     rms_norm, scale_params)
+from flax_attn.layers.common import (by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
+                                     linear_params, rms_norm, scale_params)
 from flax_attn.positional import rope as rope_lib
 
 
@@ -333,8 +333,7 @@ def mla_forward(config: MLAConfig, params: Mapping, x, positions, segment_ids=No
       ``(B, T, D)``, or ``(output, new_cache)`` with a cache.
     """
     c = config
-    N, D = c.num_heads, c.d_model
-    dn, dr, dv, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    D = c.d_model
     _checks.check_rank("x", x, 3, "(B, T, D)")
     check_floating("MultiHeadLatentAttention", "x", x)
     if x.shape[-1] != D:
@@ -355,6 +354,19 @@ def mla_forward(config: MLAConfig, params: Mapping, x, positions, segment_ids=No
             raise TypeError(f"latent cache dtype {cache.dtype} does not match the latents' dtype {latent_dtype}: "
                             f"create it with dtype={latent_dtype} (MLAConfig.init_cache(..., dtype=...))")
 
+    def stage(params, x, positions, segment_ids):
+        return _mla(c, params, x, positions, segment_ids, mask, cache, dropout_rng, precision, implementation)
+
+    if cache is None and mask is None and dropout_rng is None:
+        return by_row_chunks(stage, params, x, positions, segment_ids)  # every input's rows are independent
+    return stage(params, x, positions, segment_ids)
+
+
+def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_rng, precision, implementation):
+    """:func:`mla_forward` after its checks, positions and segment ids batched."""
+    N = c.num_heads
+    dn, dr, dv, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    B, T, _ = x.shape
     if c.q_lora_rank is None:
         q = dense(params["q_proj"], x, precision)
     else:

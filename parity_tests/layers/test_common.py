@@ -1,6 +1,7 @@
-"""The layers' shared projection (flax_attn.layers.common.dense): on CPU, from NT_MIN_ROWS rows
-on, it reads its kernel transposed; every form is x @ kernel + bias, in outputs and in
-reverse and forward mode."""
+"""The layers' shared pieces (flax_attn.layers.common). The projection (dense): on CPU, from
+NT_MIN_ROWS rows on, it reads its kernel transposed; every form is x @ kernel + bias, in outputs
+and in reverse and forward mode. The loop over batch rows (by_row_chunks): its decision per
+platform, and the same numbers as the whole batch, the derivatives' programs unchanged."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,3 +26,132 @@ def test_dense_is_the_matmul(rows):
             assert_close(g, e, np.float64, f"reverse mode, {name}")
     tangents = (jax.tree.map(jnp.ones_like, p), jnp.ones_like(x))
     assert_close(jax.jvp(dense, (p, x), tangents)[1], jax.jvp(want, (p, x), tangents)[1], np.float64, "forward mode")
+
+
+def test_row_chunk_takes_about_a_thousand_tokens_a_step_on_cpu_only():
+    from flax_attn.layers.common import ROW_CHUNK_MIN_TOKENS, row_chunk
+
+    assert ROW_CHUNK_MIN_TOKENS == 4096
+    assert row_chunk(8, 1024, "cpu") == 1
+    assert row_chunk(32, 128, "cpu") == 8
+    assert row_chunk(6, 1000, "cpu") == 1
+    assert row_chunk(12, 400, "cpu") == 2     # 1024 // 400 = 2 rows, dividing 12
+    assert row_chunk(9, 512, "cpu") == 1      # 2 rows would not divide 9
+    assert row_chunk(2, 8192, "cpu") == 1
+    assert row_chunk(16, 128, "cpu") is None  # 2,048 tokens: the whole batch
+    assert row_chunk(1, 65536, "cpu") is None  # one row: nothing to cut
+    assert row_chunk(4, 256, "cpu") is None   # one step would hold the whole batch
+    for platform in ("gpu", "tpu"):
+        assert row_chunk(8, 1024, platform) is None
+
+
+def _chapter_layer(B, T):
+    import flax_attn as fa
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((B, T, 16)))
+    layer = fa.MultiHeadAttention(16, 16, T, 0.0, 2, param_dtype=jnp.float64)
+    return layer, layer.init(jax.random.key(0), x, deterministic=True), x
+
+
+def _row_loops(closed_jaxpr):
+    """Trip counts of the loops over rows: the scans of the top-level ``by_row_chunks`` calls."""
+    return [inner.params["length"] for eqn in closed_jaxpr.jaxpr.eqns
+            if eqn.primitive.name == "custom_jvp_call" and "by_row_chunks" in str(eqn.source_info.name_stack)
+            for inner in eqn.params["call_jaxpr"].jaxpr.eqns if inner.primitive.name == "scan"]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="rows are chunked on CPU only")
+def test_by_row_chunks_runs_a_loop_forward_and_the_whole_batch_when_differentiated():
+    """The chapter's layer at 8 x 512 tokens (two rows a step) against the same layer with the
+    loop turned off: equal outputs, forward- and reverse-mode derivatives; the loop appears in
+    the undifferentiated program only, the derivatives' programs are the whole batch's."""
+    from flax_attn.layers import common
+
+    layer, params, x = _chapter_layer(8, 512)
+    tangents = (jax.tree.map(jnp.ones_like, params), jnp.cos(x))
+
+    def run():  # new functions each time: JAX caches traces by function
+        apply = lambda p, x: layer.apply(p, x, deterministic=True)  # noqa: E731
+        loss = lambda p, x: jnp.sum(jnp.sin(apply(p, x)))  # noqa: E731
+        jvp = lambda p, x: jax.jvp(apply, (p, x), tangents)  # noqa: E731
+        values = (apply(params, x), jax.grad(loss, (0, 1))(params, x), jvp(params, x))
+        programs = [jax.jit(f).lower(params, x).as_text() for f in (jax.grad(loss, (0, 1)), jvp)]
+        return values, programs, _row_loops(jax.make_jaxpr(apply)(params, x))
+
+    chunked, chunked_programs, loops = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "row_chunk", lambda B, T, platform=None: None)
+        whole, whole_programs, whole_loops = run()
+    assert loops == [4] and whole_loops == []  # 8 rows, 2 a step
+    assert chunked_programs == whole_programs
+    for got, want in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
+        assert_close(got, want, np.float64, "chunked rows vs the whole batch")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="rows are chunked on CPU only")
+@pytest.mark.parametrize("case", ["packed self-attention", "cross-attention", "mask given"])
+def test_attention_layer_in_row_chunks_equals_the_whole_batch(case):
+    """flax_attn.Attention at 8 x 512 tokens: positions, segment ids and a context are cut by
+    rows with the queries (the same outputs as the whole batch, under vmap too); a mask (which
+    may broadcast over the batch) keeps the whole batch."""
+    import flax_attn as fa
+    from flax_attn.layers import common
+
+    B, T = 8, 512
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((B, T, 16)))
+    positions = jnp.asarray(np.tile(np.arange(T) % 300, (B, 1)), jnp.int32)  # two packed documents a row
+    kwargs = {"positions": positions, "segment_ids": jnp.asarray(np.tile(np.arange(T) >= 300, (B, 1)), jnp.int32)}
+    config = dict(d_model=16, num_heads=4, num_kv_heads=2, position="rope", causal=True)
+    if case == "cross-attention":
+        config["causal"] = False
+        kwargs = {"positions": positions, "context": jnp.asarray(rng.standard_normal((B, 384, 16))),
+                  "context_positions": jnp.broadcast_to(jnp.arange(384, dtype=jnp.int32), (B, 384))}
+    if case == "mask given":
+        kwargs["mask"] = jnp.asarray(rng.random((1, 1, T, T)) < 0.9)
+    layer = fa.Attention(fa.AttentionConfig(**config), param_dtype=jnp.float64)
+    params = layer.init(jax.random.key(1), x, **kwargs)
+
+    def run():
+        apply = lambda p, x: layer.apply(p, x, **kwargs)  # noqa: E731
+        return apply(params, x), jax.vmap(apply, (None, 0))(params, jnp.stack([x, -x])), \
+            _row_loops(jax.make_jaxpr(apply)(params, x))
+
+    out, mapped, loops = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "row_chunk", lambda B, T, platform=None: None)
+        whole, whole_mapped, _ = run()
+    assert loops == ([] if case == "mask given" else [4])  # 2 rows a step
+    assert_close(out, whole, np.float64, case)
+    assert_close(mapped, whole_mapped, np.float64, f"{case}, vmapped")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="rows are chunked on CPU only")
+@pytest.mark.parametrize("absorb", [False, True])
+def test_latent_attention_in_row_chunks_equals_the_whole_batch(absorb):
+    """flax_attn.MultiHeadLatentAttention at 8 x 512 tokens with packed documents: in chunks
+    of two rows, the whole batch's outputs."""
+    import flax_attn as fa
+    from flax_attn.layers import common
+
+    B, T = 8, 512
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((B, T, 16)))
+    positions = jnp.asarray(np.tile(np.arange(T) % 300, (B, 1)), jnp.int32)
+    segments = jnp.asarray(np.tile(np.arange(T) >= 300, (B, 1)), jnp.int32)
+    layer = fa.MultiHeadLatentAttention(fa.MLAConfig(d_model=16, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4,
+                                                     qk_rope_head_dim=2, v_head_dim=4, q_lora_rank=6, absorb=absorb),
+                                        param_dtype=jnp.float64)
+    params = layer.init(jax.random.key(2), x, positions, segments)
+
+    def run():
+        apply = lambda p, x: layer.apply(p, x, positions, segments)  # noqa: E731
+        return apply(params, x), _row_loops(jax.make_jaxpr(apply)(params, x))
+
+    out, loops = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "row_chunk", lambda B, T, platform=None: None)
+        whole, _ = run()
+    assert loops == [4]
+    assert_close(out, whole, np.float64, "latent attention")
