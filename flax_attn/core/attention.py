@@ -8,10 +8,12 @@ an implementation from the registry (:mod:`flax_attn.core.registry`) and runs it
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from flax_attn import _checks
 from flax_attn.core import numerics, registry
@@ -89,8 +91,10 @@ def dot_product_attention(
       precision: passed to every matmul (``jax.lax.Precision`` or a string like 'highest').
       implementation: a registered name (``'xla'``, ``'blockwise'``, ``'cudnn'``, ...), an
         implementation object (``flax_attn.core.Blockwise(block_q=256)``), or ``None`` for the
-        fastest registered one that serves the call on this platform. Naming one that cannot
-        serve the call raises ``ValueError`` saying why.
+        fastest registered one that serves the call on this platform (with positions given
+        as arrays, possibly two, one chosen at run time by the positions: see
+        :func:`shifted_default_positions`). Naming one that cannot serve the call raises
+        ``ValueError`` saying why.
       score_mod: ``score_mod(score, b, n, q_idx, k_idx) -> score``, PyTorch FlexAttention's
         score modification: applied to every logit after scale, soft-cap and bias and before
         the mask (a masked pair stays masked, whatever its score). Written for scalars and
@@ -138,7 +142,7 @@ def dot_product_attention(
         result = _empty(call)
     else:
         query, key, value = _drop_invisible(call, query, key, value)
-        result = impl(call, query, key, value, dropout_rng)
+        result = _run(impl, implementation is None, call, query, key, value, dropout_rng)
     if call.sinks is not None:
         out, lse, weights = numerics.apply_sinks(call.sinks, result.out, result.lse, result.weights)
         result = registry.Result(out=out, lse=lse, weights=weights)
@@ -147,6 +151,41 @@ def dot_product_attention(
     if unbatched:
         outputs = [x[0] for x in outputs]
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _run(impl, automatic: bool, call, query, key, value, dropout_rng) -> registry.Result:
+    """``impl`` on the call; for the automatic choice, when positions are given as arrays and
+    the same call over default positions would choose another implementation (query blocks on
+    CPU, which find each block's keys at trace time), that one wherever the positions are the
+    default ones shifted (:func:`shifted_default_positions`), chosen at run time."""
+    run = lambda impl, call: impl(call, query, key, value, dropout_rng)  # noqa: E731
+    m = call.mask
+    if (not automatic or (m.q_positions is None and m.k_positions is None) or not (m.uses_positions or m.chunk)
+            or m.mask_mods or m.score_mod is not None):  # a user's rule may read the positions themselves
+        return run(impl, call)
+    by_index = dataclasses.replace(call, mask=dataclasses.replace(m, q_positions=None, k_positions=None))
+    fast = registry.choose(by_index)
+    if fast == impl:
+        return run(impl, call)
+    fields = lambda r: (r.out, r.lse, r.weights)  # noqa: E731
+    out, lse, weights = lax.cond(shifted_default_positions(m, call.T, call.S),
+                                 lambda: fields(run(fast, by_index)), lambda: fields(run(impl, call)))
+    return registry.Result(out=out, lse=lse, weights=weights)
+
+
+def shifted_default_positions(mask: Mask, T: int, S: int):
+    """Whether ``mask``'s rules over its positions are its rules over the default ones (keys at
+    ``0..S-1``, queries at the last T of them): True (a boolean scalar) when in every row the
+    positions are the default ones plus one offset for queries and keys alike (a multiple of
+    ``mask.chunk`` with a chunk rule); a missing side counts as default."""
+    offset = lambda p, n, first: None if p is None else p - (first + jnp.arange(n, dtype=p.dtype))  # noqa: E731
+    q, k = offset(mask.q_positions, T, S - T), offset(mask.k_positions, S, 0)
+    zero = jnp.zeros((1, 1), jnp.int32)
+    q, k = (zero if q is None else q), (zero if k is None else k)
+    same = jnp.all(q == q[:, :1]) & jnp.all(k == k[:, :1]) & jnp.all(q[:, :1] == k[:, :1])
+    if mask.chunk is not None:
+        same = same & jnp.all(k[:, :1] % mask.chunk == 0)
+    return same
 
 
 def _drop_invisible(call, query, key, value):

@@ -37,8 +37,10 @@ from 0.67 to 0.56 s.
 
 **Limits.** The program grows with the number of query blocks (unrolled), so the automatic
 choice takes it only up to ``max_blocks`` of them and only where the key ranges are known at
-trace time (with positions given as arrays, the blockwise path skips empty blocks at run time
-instead). Sequence lengths must be static.
+trace time (with positions given as arrays, the automatic choice runs them where at run time
+the positions are the default ones shifted, and the blockwise path, which skips empty blocks at
+run time, elsewhere: :func:`flax_attn.core.attention.shifted_default_positions`). Sequence
+lengths must be static.
 """
 from __future__ import annotations
 

@@ -253,3 +253,56 @@ def test_cudnn_equals_reference_on_gpu(causal):
     g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(*f32)
     for a, b in zip(g, g_ref):
         assert max_rel_error(a, b) < 1e-2
+
+
+def test_shifted_default_positions():
+    """Positions whose rules are those of the default ones: every row the default positions
+    (keys 0..S-1, queries the last T of them) plus one offset for both sides."""
+    from flax_attn.core.attention import shifted_default_positions
+
+    def shifted(q, k, T, S, chunk=None):
+        m = M.Mask(q_positions=None if q is None else jnp.asarray(q, jnp.int32),
+                   k_positions=None if k is None else jnp.asarray(k, jnp.int32), causal=True, chunk=chunk)
+        return bool(shifted_default_positions(m, T, S))
+
+    ar = np.arange(6)
+    assert shifted([ar], [ar], 6, 6)
+    assert shifted([ar + 7, ar + 2], [ar + 7, ar + 2], 6, 6)     # one offset a row
+    assert shifted([ar[2:] + 3], [ar + 3], 4, 6)                  # queries at the last T keys
+    assert shifted([ar], None, 6, 6) and shifted(None, [ar], 6, 6)
+    assert not shifted([ar + 1], [ar], 6, 6)                       # queries shifted against the keys
+    assert not shifted([ar[:4]], [ar], 4, 6)                       # queries at the first T keys
+    assert not shifted([[0, 1, 2, 0, 1, 2]], [[0, 1, 2, 0, 1, 2]], 6, 6)  # packed documents
+    assert not shifted([ar, ar + 1], [ar, ar], 6, 6)               # one row off
+    assert not shifted([[0, 2, 4, 6, 8, 10]], [[0, 2, 4, 6, 8, 10]], 6, 6)
+    assert shifted([ar + 8], [ar + 8], 6, 6, chunk=4) and not shifted([ar + 2], [ar + 2], 6, 6, chunk=4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="query blocks are the CPU choice")
+@pytest.mark.parametrize("positions", ["shifted", "packed"])
+@pytest.mark.parametrize("rules", [dict(is_causal=True), dict(is_causal=True, local_window_size=(40, 0))])
+def test_automatic_choice_takes_query_blocks_at_run_time_for_shifted_default_positions(positions, rules):
+    """Positions given as arrays: the automatic choice runs query blocks (the choice for default
+    positions) where the positions are the default ones shifted, and blockwise otherwise, decided
+    at run time; outputs and derivatives (reverse and forward mode, and under vmap) equal the
+    plain path's in float64 either way."""
+    B, T, N, H = 2, 256, 2, 8
+    rng = np.random.default_rng(11)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H))) for _ in range(3))
+    if positions == "shifted":
+        pos = jnp.asarray(np.arange(T)[None] + np.array([[0], [37]]), jnp.int32)
+    else:
+        pos = jnp.asarray(np.tile(np.arange(T) % 100, (B, 1)), jnp.int32)
+    attend = lambda q, k, v, implementation=None: fa.dot_product_attention(  # noqa: E731
+        q, k, v, query_positions=pos, key_positions=pos, implementation=implementation, **rules)
+    assert "cond[" in str(jax.make_jaxpr(attend)(q, k, v))
+    ref = lambda q, k, v: attend(q, k, v, "xla")  # noqa: E731
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    assert max_rel_error(attend(q, k, v), ref(q, k, v)) < 1e-12
+    for got, want in zip(jax.grad(loss(attend), (0, 1, 2))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        assert max_rel_error(got, want) < 1e-12
+    tangents = (jnp.cos(q), jnp.sin(k), v)
+    assert max_rel_error(jax.jvp(attend, (q, k, v), tangents)[1], jax.jvp(ref, (q, k, v), tangents)[1]) < 1e-12
+    stacked = jnp.stack([q, -q])
+    assert max_rel_error(jax.vmap(attend, (0, None, None))(stacked, k, v),
+                         jax.vmap(ref, (0, None, None))(stacked, k, v)) < 1e-12
