@@ -18,7 +18,8 @@
    machine has are not run; the estimate is reported instead. Beyond 8k tokens each point is
    timed once, without a warm-up run.
 3. KV-cache decoding with flax_attn.Attention (768 wide, 12 heads, RoPE): time per generated
-   token with the cache against recomputing the whole prefix, after a 1024-token prefix; and one
+   token with the cache (``fa.decode_step``) against recomputing the whole prefix, after a
+   1024-token prefix; and one
    decoding step (``fa.decode_step``) against PyTorch eager with a preallocated cache, batch 1
    and 8, prefixes 1k and 8k, and 1k in a cache of 8k slots (:mod:`benchmarks.decode`); and an
    absorbed multi-head latent attention step against PyTorch eager (:mod:`benchmarks.decode_mla`).
@@ -325,7 +326,8 @@ def sweep_point(impl: str, T: int, mode: str, repeats: int, heads: int = 8, head
         run = lambda: compiled(q, k, v)
     side = "torch" if impl == "torch SDPA" else "jax"
     baseline = _reset_peak(gpu, side)
-    t = time_in_turns({"x": run}, repeats, warmup=1 if T <= 8192 else 0)["x"]
+    # Beyond 8k tokens a CPU point is timed once without a warm-up (seconds each); a GPU's always warm up.
+    t = time_in_turns({"x": run}, repeats, warmup=1 if T <= 8192 or gpu else 0)["x"]
     result["seconds"] = t
     result["peak_gib"] = max(_peak_gib(gpu, side) - baseline, 0.0)
     flops = 4 * heads * T * T * head_dim / 2  # causal: half of QK^T and PV
@@ -372,13 +374,14 @@ def _peak_gib(gpu: bool, side: str) -> float:
     return _status_gib("VmHWM")
 
 
-def length_sweep(lengths, impls, repeats, in_process=False) -> list[dict]:
-    """Each point in a fresh process (its peak memory is its own), or here when ``in_process``."""
+def length_sweep(lengths, impls, repeats, in_process=False, gpu=False) -> list[dict]:
+    """Each point in a fresh process (its peak memory is its own), or here when ``in_process``.
+    On CPU the points beyond 8k tokens are timed once; on a GPU every point ``repeats`` times."""
     rows = []
     for T in lengths:
         for mode in ("forward", "forward+backward"):
             for impl in impls:
-                reps = repeats if T <= 8192 else 1
+                reps = repeats if T <= 8192 or gpu else 1
                 if in_process:
                     rows.append(sweep_point(impl, T, mode, reps))
                     print("  ", _sweep_line(rows[-1]), flush=True)
@@ -401,7 +404,7 @@ def _sweep_line(r: dict, peak_tflops: Optional[float] = None) -> str:
     if "seconds" in r:
         rate = f"{r['tflops']:7.2f} TFLOP/s" + (f" ({r['tflops'] / peak_tflops:4.0%} of peak)" if peak_tflops else "")
         estimate = f"  (XLA estimate {r['xla_estimate_gib']:.2f} GiB)" if "xla_estimate_gib" in r else ""
-        return head + f" {r['seconds']:9.3f} s  {rate}  peak {r['peak_gib']:6.2f} GiB{estimate}"
+        return head + f" {r['seconds']:9.4g} s  {rate}  peak {r['peak_gib']:6.2f} GiB{estimate}"
     return head + f" {r.get('skipped') or r.get('failed')}"
 
 
@@ -421,14 +424,14 @@ def decoding(prefix: int, steps: int, repeats: int, gpu: bool) -> dict:
     positions = jnp.arange(total)[None]
     params = layer.init(jax.random.key(0), x[:, :8], positions[:, :8])
 
-    step = jax.jit(lambda p, c, xt, pt: layer.apply(p, xt, pt, cache=c))
+    step = fa.decode_step(layer)  # the documented loop: one jit, the cache donated
     # Recomputation: the whole prefix of a fixed padded length (one compilation); causal
     # attention makes the padding after the current token irrelevant.
     full = jax.jit(lambda p, xs: layer.apply(p, xs, positions)[:, -1])
 
     def cached():
         cache = config.init_cache(batch=1, max_len=total, dtype=dtype)
-        _, cache = layer.apply(params, x[:, :prefix], positions[:, :prefix], cache=cache)
+        _, cache = step(params, cache, x[:, :prefix], positions[:, :prefix])
         jax.block_until_ready(cache)
         start = time.perf_counter()
         for t in range(prefix, total):
@@ -528,7 +531,7 @@ def print_report(results: dict) -> None:
                 r = modes[mode]
                 rate = flops[mode] / r["seconds"] / 1e9
                 peak = peaks.get(r.get("framework", "jax"))
-                cells.append(f"{r['seconds']:8.3f}s {r['ratio_to_peer']:5.2f}x {rate:8.1f} "
+                cells.append(f"{r['seconds']:8.4g}s {r['ratio_to_peer']:5.2f}x {rate:8.1f} "
                              + (f"{rate / (peak * 1e3):7.0%}" if peak else f"{'':>7}"))
             print(f"{name:<62} " + " ".join(cells))
         loads = [r.get("load_average_before") for r in results["gpt2_layer"] if r.get("load_average_before")]
@@ -570,6 +573,8 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: a check that it all runs")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-length", type=int, default=SWEEP_LENGTHS[-1])
+    parser.add_argument("--lengths", default=None,
+                        help="comma-separated sweep lengths instead of those of the default list up to --max-length")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--parts", default="layer,sweep,decode",
                         help="comma-separated subset of layer, sweep, decode (a partial run is written beside "
@@ -587,6 +592,13 @@ def main(argv=None) -> None:
                              "of the page faults); for every contender and for the sweep's processes")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.lengths is not None:
+        try:
+            chosen_lengths = [int(t) for t in args.lengths.split(",") if t.strip()]
+        except ValueError:
+            parser.error(f"--lengths: whole numbers separated by commas, got {args.lengths!r}")
+        if not chosen_lengths or min(chosen_lengths) < 1:
+            parser.error(f"--lengths: positive lengths needed, got {args.lengths!r}")
     if args.huge_pages and not _huge_pages():
         tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.run"] + list(sys.argv[1:] if argv is None else argv),
@@ -607,7 +619,9 @@ def main(argv=None) -> None:
     layer_cfg = ({"batch": 1, "context": 64, "d_model": 64, "heads": 4} if args.smoke
                  else {"batch": 8, "context": 1024, "d_model": 768, "heads": 12})
     lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
-    impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn"] if gpu else [])
+    if args.lengths is not None:
+        lengths = chosen_lengths
+    impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn", "pallas_triton"] if gpu else [])
     if args.sweep_impls is not None:
         chosen = [name.strip() for name in args.sweep_impls.split(",") if name.strip()]
         if not chosen or set(chosen) - set(impls):
@@ -632,7 +646,7 @@ def main(argv=None) -> None:
         results["gpt2_layer"] = gpt2_layer(layer_cfg, repeats, gpu)
     if "sweep" in parts:
         print("2. length sweep ...", flush=True)
-        results["length_sweep"] = length_sweep(lengths, impls, repeats, in_process=args.smoke)
+        results["length_sweep"] = length_sweep(lengths, impls, repeats, in_process=args.smoke, gpu=gpu)
     if "decode" in parts:
         print("3. KV-cache decoding ...", flush=True)
         results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)

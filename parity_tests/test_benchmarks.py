@@ -56,3 +56,16 @@ def test_cpu_kinds_that_share_a_model_name_get_their_own_result_files(monkeypatc
     monkeypatch.setattr(cpu, "_cpuinfo", lambda: cpuinfo)
     monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 1 << 20)
     assert cpu.slug() == slug and cpu.kind() == kind
+
+
+@pytest.mark.parametrize("lengths, message", [("2k", "whole numbers"), ("0,1024", "positive"), (",", "positive")])
+def test_sweep_lengths_are_checked_before_any_work(capsys, lengths, message):
+    """``--lengths`` that are not positive whole numbers stop the run at once (argparse's exit 2),
+    naming the option and what it was given."""
+    from benchmarks.run import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--lengths", lengths, "--parts", "sweep"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lengths" in err and message in err and repr(lengths) in err

@@ -1135,3 +1135,86 @@ def test_pallas_return_residual():
             if not err <= 1e-5:
                 bad.append(f"{name} on {case.name}: {what} error {err:.3e}")
     assert not bad, bad
+
+
+# ============================================================================ 8. natively on a GPU
+#
+# On an NVIDIA GPU, every implementation that runs there (cuDNN, the Pallas kernels compiled
+# for the device, and the pure-JAX paths) at the block sizes it runs with by default, on
+# bfloat16 calls of the sizes layers make: lengths that are not multiples of any block, 64- and
+# 128-dim heads, GQA/MQA, T < S, segments, lengths, a bias, one decoding step. Outputs and
+# gradients against the float64 reference (bfloat16 tolerances), exact zeros where nothing is
+# attended; each implementation serves exactly the cases listed and declines the rest with a
+# reason. Skipped where JAX has no GPU.
+
+ON_GPU = pytest.mark.skipif(jax.default_backend() != "gpu", reason="native GPU kernels need an NVIDIA GPU; none here")
+
+
+def gpu_cases():
+    rng = np.random.default_rng(23)
+    seg = np.stack([_packed_ids([100, 90, 66], 256, rng), _packed_ids([200, 40], 256, rng)])
+    return [
+        Case("gpu-causal-mha-bf16", (2, 384, 384, 8, 8, 64, 64), dict(is_causal=True), dtype=BF16),
+        Case("gpu-causal-gqa-T<S-H128-bf16", (2, 200, 520, 8, 2, 128, 128), dict(is_causal=True), dtype=BF16),
+        Case("gpu-segments-qlengths-mqa-bf16", (2, 256, 256, 4, 1, 64, 64),
+             dict(query_segment_ids=seg, key_segment_ids=seg, query_seq_lengths=np.array([256, 170], np.int32)),
+             dtype=BF16),
+        Case("gpu-bias-bf16", (2, 160, 160, 4, 4, 64, 64), dict(), bias=(1, 4, 160, 160), dtype=BF16),
+        Case("gpu-window-softcap-bf16", (2, 300, 300, 8, 4, 64, 64),
+             dict(is_causal=True, local_window_size=(127, 0), logit_softcap=30.0), dtype=BF16),
+        Case("gpu-decode-kvlengths-gqa-bf16", (4, 1, 1000, 8, 2, 128, 128),
+             dict(is_causal=True, key_value_seq_lengths=np.array([1000, 517, 3, 64], np.int32)), dtype=BF16),
+        Case("gpu-decode-window-mqa-bf16", (2, 1, 700, 8, 1, 64, 64), dict(local_window_size=(255, 0)), dtype=BF16),
+    ]
+
+
+GPU_CASES = gpu_cases()
+_ALL_GPU = {c.name for c in GPU_CASES}
+# what each implementation serves of GPU_CASES natively (the rest it must decline, saying why)
+GPU_SERVES = {
+    "xla": _ALL_GPU,
+    "blockwise": _ALL_GPU,
+    "query_blocks": _ALL_GPU,
+    "key_blocks": {"gpu-decode-kvlengths-gqa-bf16"},
+    "cudnn": {"gpu-causal-mha-bf16", "gpu-bias-bf16"},
+    "pallas_triton": {"gpu-causal-mha-bf16", "gpu-causal-gqa-T<S-H128-bf16", "gpu-segments-qlengths-mqa-bf16"},
+    "pallas_decode": {"gpu-decode-kvlengths-gqa-bf16", "gpu-decode-window-mqa-bf16"},
+}
+assert all(v <= _ALL_GPU for v in GPU_SERVES.values())
+
+
+@ON_GPU
+@pytest.mark.parametrize("name", sorted(GPU_SERVES))
+def test_native_on_gpu(name):
+    """Each implementation that runs on the GPU, natively, on the cases it serves: outputs and
+    gradients against the float64 reference; the other cases declined with a reason."""
+    assert name in {impl.name for impl in registry.available("gpu")}
+    impl = registry.get(name)
+    failures, declines = check_cases(impl, GPU_CASES)
+    assert not failures, f"{name}:\n  " + "\n  ".join(failures)
+    served = _ALL_GPU - {d.split(": implementation=")[0] for d in declines}
+    assert served == GPU_SERVES[name], declines
+
+
+@ON_GPU
+def test_automatic_choice_on_this_gpu():
+    """The automatic choice on the device: the decoding kernel for one query, cuDNN or Triton where
+    they serve, the plain path otherwise; and what it runs conforms."""
+    chosen = {}
+    for case in GPU_CASES:
+        q, k, v, bias, _ = case.inputs()
+        call = fa.core.call.describe(jnp.asarray(q, BF16), jnp.asarray(k, BF16), jnp.asarray(v, BF16),
+                                     None if bias is None else jnp.asarray(bias, BF16),
+                                     **case.kw)
+        chosen[case.name] = registry.choose(call).name
+    assert chosen == {
+        "gpu-causal-mha-bf16": "cudnn",
+        "gpu-causal-gqa-T<S-H128-bf16": "pallas_triton",
+        "gpu-segments-qlengths-mqa-bf16": "pallas_triton",
+        "gpu-bias-bf16": "cudnn",
+        "gpu-window-softcap-bf16": "xla",
+        "gpu-decode-kvlengths-gqa-bf16": "pallas_decode",
+        "gpu-decode-window-mqa-bf16": "pallas_decode",
+    }, chosen
+    failures, declines = check_cases(None, GPU_CASES)
+    assert not failures and not declines, failures + declines
