@@ -15,8 +15,8 @@
    runs above the memory held before them (inputs made, JAX program compiled; on Linux the
    peak is reset through /proc/self/clear_refs), and for JAX also XLA's own estimate of the
    program's temporaries and outputs. Points whose program would need more memory than the
-   machine has are not run; the estimate is reported instead. Beyond 8k tokens each point is
-   timed once, without a warm-up run.
+   machine has are not run; the estimate is reported instead. On CPU, beyond 8k tokens each
+   point is timed once, without a warm-up run.
 3. KV-cache decoding with flax_attn.Attention (768 wide, 12 heads, RoPE): time per generated
    token with the cache (``fa.decode_step``) against recomputing the whole prefix, after a
    1024-token prefix; and one
@@ -592,12 +592,13 @@ def main(argv=None) -> None:
                              "of the page faults); for every contender and for the sweep's processes")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
     if args.lengths is not None:
         try:
-            chosen_lengths = [int(t) for t in args.lengths.split(",") if t.strip()]
+            lengths = [int(t) for t in args.lengths.split(",") if t.strip()]
         except ValueError:
             parser.error(f"--lengths: whole numbers separated by commas, got {args.lengths!r}")
-        if not chosen_lengths or min(chosen_lengths) < 1:
+        if not lengths or min(lengths) < 1:
             parser.error(f"--lengths: positive lengths needed, got {args.lengths!r}")
     if args.huge_pages and not _huge_pages():
         tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES]))
@@ -618,9 +619,6 @@ def main(argv=None) -> None:
     repeats = 1 if args.smoke else args.repeats
     layer_cfg = ({"batch": 1, "context": 64, "d_model": 64, "heads": 4} if args.smoke
                  else {"batch": 8, "context": 1024, "d_model": 768, "heads": 12})
-    lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]
-    if args.lengths is not None:
-        lengths = chosen_lengths
     impls = ["xla", "blockwise", "jax.nn", "torch SDPA"] + (["cudnn", "pallas_triton"] if gpu else [])
     if args.sweep_impls is not None:
         chosen = [name.strip() for name in args.sweep_impls.split(",") if name.strip()]
