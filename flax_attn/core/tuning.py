@@ -59,6 +59,32 @@ def l2_cache_bytes() -> int:
     return DEFAULT_L2_BYTES
 
 
+def _parse_flags(cpuinfo: str) -> frozenset:
+    """The first ``flags`` line of a ``/proc/cpuinfo`` text, as a set of words."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The instruction-set flags of the CPU (``/proc/cpuinfo``'s ``flags`` on Linux; empty where
+    it cannot be read)."""
+    try:
+        return _parse_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
+
+
+def has_avx512() -> bool:
+    """Whether the CPU has AVX-512 (``avx512f``): XLA's CPU matmul kernels differ by vector width,
+    and some choices between two forms of one product follow it
+    (:func:`flax_attn.core.numerics.weighted_values`)."""
+    return "avx512f" in cpu_flags()
+
+
 def working_set_bytes(bq: int, bk: int, H: int, Hv: int, itemsize: int) -> int:
     """Bytes one step of the blockwise forward touches (see the module docstring)."""
     return 4 * (2 * bq * bk + bq * Hv) + itemsize * (bq * H + bk * H + bk * Hv)

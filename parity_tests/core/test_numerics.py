@@ -175,12 +175,18 @@ def test_a_nan_or_inf_logit_is_not_hidden():
         assert np.isfinite(np.asarray(got)[2]).all(), got
 
 
+@pytest.mark.parametrize("avx512", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
-def test_weighted_values_is_the_matmul(rows, platform):
-    """weighted_values (one row computed beside a row of zeros on CPU) is the batched matmul,
-    outputs and gradients, whatever the platform it is told."""
+def test_weighted_values_is_the_matmul(rows, platform, avx512, monkeypatch):
+    """weighted_values (one row computed beside a row of zeros on a CPU with AVX-512) is the
+    batched matmul, outputs and gradients, whatever the platform and vector width it is told."""
+    from flax_attn.core import tuning
     from flax_attn.core.numerics import weighted_values
+    monkeypatch.setattr(tuning, "has_avx512", lambda: avx512)
+    padded = "concatenate" in str(jax.make_jaxpr(lambda w, v: weighted_values(w, v, None, jnp.float64, platform))(
+        jnp.ones((4, rows, fa.core.numerics.ONE_ROW_PAD_KEYS)), jnp.ones((4, fa.core.numerics.ONE_ROW_PAD_KEYS, 3))))
+    assert padded == (platform == "cpu" and rows == 1 and avx512)
     rng = np.random.default_rng(5)
     S = fa.core.numerics.ONE_ROW_PAD_KEYS  # the shortest key axis that takes the two-row form on CPU
     w, v = jnp.asarray(rng.random((4, rows, S))), jnp.asarray(rng.standard_normal((4, S, 3)))

@@ -76,3 +76,12 @@ def test_huge_page_malloc_faults_far_fewer_pages():
     # 2 MiB pages where glibc maps memory: measured 20,500 -> 2,300 faults per call (some
     # buffers are still faulted in 4 KiB pages)
     assert huge_faults < default_faults / 4, (huge_faults, default_faults)
+
+
+def test_cpu_flags_are_read_from_the_first_flags_line():
+    """has_avx512 reads /proc/cpuinfo's flags; the parser takes the first processor's line."""
+    from flax_attn.core.tuning import _parse_flags
+    text = ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n"
+            "processor\t: 1\nflags\t\t: fpu\n")
+    assert _parse_flags(text) == {"fpu", "sse2", "avx2", "avx512f", "avx512bw"}
+    assert _parse_flags("processor\t: 0\n") == frozenset()
