@@ -390,16 +390,19 @@ def _intersect(a, b):
 
 def _rows(x, b, start, size: int):
     """``x[b or 0, start:start + size]`` of a (B|1, L) array."""
-    row = x[0] if x.shape[0] == 1 else x[b]  # "== 1", not "> 1": a symbolic batch (jax.export) is not 1
-    return lax.dynamic_slice_in_dim(row, start, size)
+    # one slice of the row's cut, not x[b] then a cut: under vmap over b, x[b] gathers whole rows
+    # (a decoding step's key blocks gathered every row's 8,192 positions for each block)
+    first = 0 if x.shape[0] == 1 else b  # "== 1", not "> 1": a symbolic batch (jax.export) is not 1
+    starts = [jnp.asarray(st, jnp.int32) for st in (first, start)]
+    return lax.dynamic_slice(x, starts, (1, size))[0]
 
 
 def _tile(x, b, heads, q_start, bq: int, k_start, bk: int):
     """``x[b, h0:h0+n, q_start:+bq, k_start:+bk]`` of a 4-D array whose dims may be 1 (kept as 1)."""
     h0, n = heads
-    x = x[0] if x.shape[0] == 1 else x[b]
     starts, sizes = [], []
-    for dim, start, size in ((0, h0, n), (1, q_start, bq), (2, k_start, bk)):
+    # the batch row is one more start of the same slice (see _rows)
+    for dim, start, size in ((0, b, 1), (1, h0, n), (2, q_start, bq), (3, k_start, bk)):
         if x.shape[dim] != 1:
             starts.append(start)
             sizes.append(size)
@@ -407,7 +410,7 @@ def _tile(x, b, heads, q_start, bq: int, k_start, bk: int):
             starts.append(0)
             sizes.append(1)
     # one index dtype: under vmap the starts are concatenated (x64 may make some of them int64)
-    return lax.dynamic_slice(x, [jnp.asarray(st, jnp.int32) for st in starts], sizes)
+    return lax.dynamic_slice(x, [jnp.asarray(st, jnp.int32) for st in starts], sizes)[0]
 
 
 def _grid(b, heads, qp, kp, n=None):
