@@ -16,7 +16,9 @@ tile: the largest whose logits fit the L2 caches of two cores (512 x 512 there),
 matmuls are large enough for XLA's CPU runtime to spread over the cores (measurements in its
 docstring); :func:`blockwise_forward_tiles` the larger tile of a call that is not
 differentiated (1,024 x 1,024 there). Where the cache size cannot be read (not Linux, or no
-sysfs), 1 MiB is assumed.
+sysfs), 1 MiB is assumed. :func:`has_avx512` reads the CPU's instruction-set flags
+(``/proc/cpuinfo``), on which one choice of matmul form depends
+(:func:`flax_attn.core.numerics.weighted_values`).
 
 The results depend only on the machine and the shapes, so that a program traced twice on one
 machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` or
