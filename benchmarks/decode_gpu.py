@@ -7,10 +7,12 @@ and 8 after a 1,024 or 8,192-token prefix. Contenders, timed in turns (medians o
 rounds of ``decode.STEPS`` steps, each round waited for at its end):
 
 * ``flax_attn decode_step``: ``fa.decode_step(layer)``, the documented loop (one ``jax.jit``,
-  the cache donated, run-time checks read after the next step is dispatched);
+  the cache donated, each one-token step's run-time checks read ``check_lag`` calls later);
 * ``flax_attn jax.jit(apply)``: the same layer under a plain ``jax.jit`` of ``layer.apply``
   without donation: its run-time checks are ``lax.cond``s around host callbacks, and on a GPU
   every step waits for the device to hand their predicates to the host;
+* ``flax_attn decode_step (check_lag=1)``: the same with each step's run-time checks read at the
+  next call (a round trip to the device every step) instead of ``check_lag`` calls later;
 * ``flax_attn decode_step (xla)``: the same loop with ``implementation='xla'`` (the plain path
   instead of the automatic choice, JAX's Pallas decoding kernel);
 * ``torch eager``: :class:`benchmarks.decode` 's ``TorchDecodeLayer`` on ``cuda``, bfloat16, with
@@ -90,6 +92,8 @@ def cell(batch: int, prefix: int, repeats: int) -> list[dict]:
     plain = jax.jit(lambda p, c, xt, pt: layer.apply(p, xt, pt, cache=c))
     flax_runs = {"flax_attn decode_step": decode.flax_steps(fa.decode_step(layer), params, cache(), xb.astype(bf16),
                                                               prefix, max_len),
+                 "flax_attn decode_step (check_lag=1)": decode.flax_steps(fa.decode_step(layer, check_lag=1), params,
+                                                                          cache(), xb.astype(bf16), prefix, max_len),
                  "flax_attn decode_step (xla)": decode.flax_steps(fa.decode_step(layer.clone(implementation="xla")),
                                                                   params, cache(), xb.astype(bf16), prefix, max_len),
                  "flax_attn jax.jit(apply)": decode.flax_steps(plain, params, cache(), xb.astype(bf16), prefix, max_len)}

@@ -74,7 +74,7 @@ def generate_cached(step, params, prompt, n):
     for t in range(len(prompt), len(prompt) + n - 1):
         logits, caches = step(params, caches, jnp.asarray([[tokens[-1]]]), jnp.asarray([[t]]))
         tokens.append(int(jnp.argmax(logits[0, -1])))
-    step.check()  # the last step's run-time checks (each step's are read at the next call)
+    step.check()  # the last steps' run-time checks (each step's are read a few calls later)
     return tokens
 
 

@@ -107,8 +107,8 @@ def test_decode_step_nnx_equals_linen():
 
 def test_decode_step_checks_without_host_callbacks():
     """The step's run-time checks are outputs of the program, not host callbacks (which keep
-    JAX off its fast dispatch path): a prefill raises at once, a one-token step at the next
-    call or at step.check(), and the failed step's out is NaN."""
+    JAX off its fast dispatch path): a prefill raises at once, a one-token step `check_lag`
+    calls later or at step.check(), and the failed step's out is NaN."""
     config, layer, params, x, positions = _setup({"num_kv_heads": 2})
     step = fa.decode_step(layer)
     cache = layer.init_cache(2, 6)
@@ -128,11 +128,18 @@ def test_decode_step_checks_without_host_callbacks():
         step.check()
     step.check()  # read once
 
-    cache = layer.init_cache(2, 6)
-    out, cache = step(params, cache, x[:, :3], positions[:, :3])
-    out, cache = step(params, cache, x[:, 3:4], positions[:, 1:2])  # positions go backwards
-    with pytest.raises(ValueError, match="KV cache positions go backwards"):
-        step(params, cache, x[:, 4:5], positions[:, 4:5])  # raised at the next call
+    for lag in (1, 3):  # a one-token step's checks are read `check_lag` calls later
+        step = fa.decode_step(layer, check_lag=lag)
+        cache = layer.init_cache(2, 8)
+        out, cache = step(params, cache, x[:, :3], positions[:, :3])
+        out, cache = step(params, cache, x[:, 3:4], positions[:, 1:2])  # positions go backwards
+        for t in range(4, 4 + lag - 1):
+            out, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])  # not read yet
+        with pytest.raises(ValueError, match="KV cache positions go backwards"):
+            step(params, cache, x[:, 7:8], positions[:, 7:8])
+        step.check()  # nothing left unread
+    with pytest.raises(ValueError, match=r"check_lag must be a positive integer, got 0"):
+        fa.decode_step(layer, check_lag=0)
 
 
 def test_cache_dtype_follows_the_layer_and_a_mismatch_is_an_error():
