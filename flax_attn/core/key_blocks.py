@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from flax_attn import _checks
-from flax_attn.core import numerics
+from flax_attn.core import numerics, tuning
 from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 from flax_attn.core.xla import XLA
 
-BLOCK_BYTES = 3 << 20  # keys + values of one block over all units (see KeyBlocks.block_k)
+BLOCK_L2S = 3  # keys + values of one block over all units fit this many per-core L2 caches (see KeyBlocks.block_k)
 MIN_BLOCK = 128
 
 
@@ -47,13 +47,17 @@ class KeyBlocks(Implementation):
 
     Fields:
       block_k: keys per block. None: the largest power of two from 128 whose keys and values
-        over all units (``B*K * block_k * (H + Hv) * itemsize`` bytes) fit 3 MiB, else 128:
-        each block's keys are copied out of the cache (XLA's matmul reads whole arrays), so a
-        small block wastes less past the fill, while each block costs a step of the loop. On a
-        2-core AMD EPYC (a 768-wide, 12-head float32 layer decoding with 1,100 of 8,192 slots
-        filled; 2.5 ms at batch 1 and 18.5 ms at batch 8 over the whole cache): batch 1, 128 /
-        256 / 512 / 1,024 keys a block: 1.38 / 1.24 / 1.04 / 1.49 ms a step; batch 8, 64 / 128
-        / 256 keys: 6.9 / 5.6 / 6.1 ms.
+        over all units (``B*K * block_k * (H + Hv) * itemsize`` bytes) fit three per-core L2
+        caches (:func:`flax_attn.core.tuning.l2_cache_bytes`), else 128: each block's keys are
+        copied out of the cache (XLA's matmul reads whole arrays), so a small block wastes less
+        past the fill, while each block costs a step of the loop. A 768-wide, 12-head float32
+        layer decoding (a step of ``decode_step``), 1,100 of 8,192 slots filled, on 2-core AMD
+        EPYCs: with 1 MiB of L2 a core (family 26; 2.5 ms at batch 1 and 18.5 ms at batch 8
+        over the whole cache), batch 1, 128 / 256 / 512 / 1,024 keys a block: 1.38 / 1.24 /
+        1.04 / 1.49 ms a step; batch 8, 64 / 128 / 256 keys: 6.9 / 5.6 / 6.1 ms. With 512 KiB
+        (family 25, in turns in one process), batch 1 with 1,025 slots filled, 64 / 128 / 256
+        / 512 keys: 2.46 / 2.12 / 2.27 / 2.58 ms, with 3,000 filled 6.59 / 4.61 / 4.30 / 4.45
+        ms (a fixed 3 MiB had taken 512 there).
       max_queries: the automatic choice takes it on CPU for at most this many query tokens
         (T: decoding and short speculative steps), whatever the number of query heads per
         key/value head: more rows per block only make each block's matmul larger. On a 2-core
@@ -93,8 +97,8 @@ class KeyBlocks(Implementation):
             return min(self.block_k, call.S)
         units = call.B * call.K if isinstance(call.B, int) else call.K
         per_key = units * (call.H + call.Hv) * jnp.dtype(call.dtype).itemsize
-        c = MIN_BLOCK
-        while c * 2 * per_key <= BLOCK_BYTES:
+        c, budget = MIN_BLOCK, BLOCK_L2S * tuning.l2_cache_bytes()
+        while c * 2 * per_key <= budget:
             c *= 2
         return min(c, call.S)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
-from flax_attn.core import KeyBlocks, registry
+from flax_attn.core import KeyBlocks, registry, tuning
 from flax_attn.core import mask as M
 from flax_attn.core.call import describe
 from conftest import assert_close
@@ -131,6 +131,18 @@ def test_automatic_choice_and_refusals():
     assert registry.choose(call(8192, lengths=False)).name == "xla"
     assert registry.choose(call(8192, platform="gpu")).name != "key_blocks"
     assert KeyBlocks()._block_k(call(8192)) == 128              # 96 units x 128 keys x (64 + 64) x 4 bytes = 6 MiB
+    assert KeyBlocks(block_k=64)._block_k(call(8192)) == 64
+
+
+@pytest.mark.parametrize("l2, block", [(1 << 20, 512), (512 << 10, 256), (2 << 20, 1024)])
+def test_default_key_block_follows_the_l2_cache(monkeypatch, l2, block):
+    """Batch 1, 12 heads of 64: a block of c keys and values is 12 * c * 128 * 4 bytes, and the
+    default is the largest power of two whose block fits three L2 caches."""
+    monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: l2)
+    q = jax.ShapeDtypeStruct((1, 1, 12, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 8192, 12, 64), jnp.float32)
+    call = describe(q, k, k, key_value_seq_lengths=np.full((1,), 100, np.int32), platform="cpu")
+    assert KeyBlocks()._block_k(call) == block
     with pytest.raises(ValueError, match="key_blocks' does not support calls without key/value lengths"):
         fa.dot_product_attention(*_inputs()[:3], implementation="key_blocks")
     with pytest.raises(ValueError, match="KeyBlocks block_k"):
