@@ -132,6 +132,10 @@ def test_automatic_choice_and_refusals():
     assert registry.choose(call(8192, platform="gpu")).name != "key_blocks"
     assert KeyBlocks()._block_k(call(8192)) == 128              # 96 units x 128 keys x (64 + 64) x 4 bytes = 6 MiB
     assert KeyBlocks(block_k=64)._block_k(call(8192)) == 64
+    with pytest.raises(ValueError, match="key_blocks' does not support calls without key/value lengths"):
+        fa.dot_product_attention(*_inputs()[:3], implementation="key_blocks")
+    with pytest.raises(ValueError, match="KeyBlocks block_k"):
+        KeyBlocks(block_k=0)
 
 
 @pytest.mark.parametrize("l2, block", [(1 << 20, 512), (512 << 10, 256), (2 << 20, 1024)])
@@ -143,10 +147,6 @@ def test_default_key_block_follows_the_l2_cache(monkeypatch, l2, block):
     k = jax.ShapeDtypeStruct((1, 8192, 12, 64), jnp.float32)
     call = describe(q, k, k, key_value_seq_lengths=np.full((1,), 100, np.int32), platform="cpu")
     assert KeyBlocks()._block_k(call) == block
-    with pytest.raises(ValueError, match="key_blocks' does not support calls without key/value lengths"):
-        fa.dot_product_attention(*_inputs()[:3], implementation="key_blocks")
-    with pytest.raises(ValueError, match="KeyBlocks block_k"):
-        KeyBlocks(block_k=0)
 
 
 def test_a_decoding_loop_over_a_large_cache_follows_the_plain_path():
