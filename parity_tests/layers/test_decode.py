@@ -236,3 +236,50 @@ def test_mla_benchmark_rows_and_report():
         assert all(r["floor_bytes_per_step"] == 4 * (weights + 2 * fill * 20) for r in rows)
         slots = 2048 if capacity else 90
         assert f"| 2 | 64 | {slots} | 1 | flax_attn absorbed |" in bench.report(rows, bench.TITLE)
+
+
+def test_decode_compiler_options_follow_the_cpu(monkeypatch):
+    from flax_attn.core import tuning
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(tuning, "has_avx512", lambda: False)
+    assert tuning.decode_compiler_options() == ({"xla_cpu_experimental_ynn_fusion_type": ""}
+                                                if tuning._ynnpack_off_accepted() else {})
+    monkeypatch.setattr(tuning, "_ynnpack_off_accepted", lambda: False)  # a jaxlib without the option
+    assert tuning.decode_compiler_options() == {}
+    monkeypatch.setattr(tuning, "_ynnpack_off_accepted", lambda: True)
+    assert tuning.decode_compiler_options() == tuning.YNNPACK_OFF
+    monkeypatch.setattr(tuning, "has_avx512", lambda: True)
+    assert tuning.decode_compiler_options() == {}
+    monkeypatch.setattr(tuning, "has_avx512", lambda: False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert tuning.decode_compiler_options() == {}
+
+
+def test_decode_step_compiler_options():
+    """A step compiled without YNNPACK's fusions decodes as one with XLA's defaults and as the
+    full pass; the options reach the compiled program."""
+    from flax_attn.core import tuning
+
+    if not tuning._ynnpack_off_accepted():
+        pytest.skip("this jaxlib has no YNNPACK fusion option")
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2}, T=8)
+    full = layer.apply(params, x, positions)
+    outs, texts = {}, {}
+    for name, options in (("default", {}), ("off", tuning.YNNPACK_OFF)):
+        step = fa.decode_step(layer, compiler_options=options)
+        cache = layer.init_cache(2, 12)
+        out, cache = step(params, cache, x[:, :5], positions[:, :5])
+        pieces = [out]
+        for t in range(5, 8):
+            texts[name] = step.jitted.lower(params, cache, x[:, t:t + 1], positions[:, t:t + 1], None).compile().as_text()
+            out, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])
+            pieces.append(out)
+        outs[name] = jnp.concatenate(pieces, axis=1)
+        assert_close(outs[name], full, np.float32, f"decode_step ({name} options) vs full pass")
+    # XLA's default fuses the step's matmuls with YNNPACK (if a jaxlib stops doing so, the option
+    # has nothing left to turn off: see tuning.decode_compiler_options)
+    assert "__ynn_fusion" in texts["default"]
+    assert "__ynn_fusion" not in texts["off"]
+    with pytest.raises(TypeError, match="decode_step compiler_options must be a dict or None, got list"):
+        fa.decode_step(layer, compiler_options=[])
