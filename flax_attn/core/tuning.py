@@ -116,8 +116,12 @@ def decode_compiler_options() -> dict:
     turns in one process, default against YNNPACK off (ms): 12 key/value heads, batch 8 / 1,
     1,024 tokens: 7.58 -> 7.34, 1.77 -> 1.61; 1,024 of 8,192 slots at batch 8: 14.0 -> 13.6;
     2 key/value heads, batch 8, 1,024 tokens: 5.21 -> 4.47 and 5.70 -> 5.05 (two runs), batch
-    1: 1.23 -> 1.19, 8,192 tokens: 3.65 -> 2.75. Not measured on CPUs with AVX-512, which keep
-    XLA's default.
+    1: 1.23 -> 1.19, 8,192 tokens: 3.65 -> 2.75. The one step where it was not faster: batch
+    1 with 1,024 of 8,192 slots filled (key blocks, one-row matmuls), 2.51 -> 2.81, 2.96 ->
+    2.90 and 2.11 -> 2.04 in three runs (within this host's noise), with 3,000 filled 4.78 ->
+    4.97. In a full benchmark run after the change the grouped-query steps went from 1.04x,
+    1.52x, 1.18x, 1.29x PyTorch eager to 0.94x, 1.15x, 0.77x, 0.89x. Not measured on CPUs with
+    AVX-512, which keep XLA's default.
     """
     import jax
 
