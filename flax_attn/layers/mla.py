@@ -49,10 +49,12 @@ tokens in 8,192 slots) an absorbed step took 4.6 ms at batch 1 and 14 ms at batc
 took 34 and 181 ms while every slot was read and the cache concatenated and zeroed each step
 (``python -m benchmarks.decode_mla`` compares it with PyTorch eager). The plain form
 decompresses every slot's keys and values at each step (``kv_b_proj`` over the whole cache:
-335 ms there): decode with ``absorb=True``. The absorbed form rearranges ``kv_b_proj`` into
-per-head blocks at each step (Hugging Face's layout interleaves them), a cost that grows with
-the heads: 128 heads, D 2048, batch 1: a 47 ms step, the rearranging and its two matmuls
-about 30 ms of it.
+335 ms there): decode with ``absorb=True``. With more than two query rows (batch x tokens)
+the absorbed form rearranges ``kv_b_proj`` into per-head blocks at each call (Hugging Face's
+layout interleaves them), a cost that grows with the heads; with one or two it reads
+``kv_b_proj`` where it lies (:data:`ROWS_READING_KV_B_IN_PLACE`): with 128 heads (D 2048,
+batch 1, 1,024 cached tokens, AMD EPYC family 25) a step took 80 ms rearranging and 65 ms
+without.
 
 The pure stage is :func:`mla_forward` with the parameter specs of :func:`mla_params`;
 :class:`MultiHeadLatentAttention` (Linen) and its NNX twin
@@ -362,6 +364,15 @@ def mla_forward(config: MLAConfig, params: Mapping, x, positions, segment_ids=No
     return stage(params, x, positions, segment_ids)
 
 
+ROWS_READING_KV_B_IN_PLACE = 2
+"""Up to this many query rows (batch x tokens), the absorbed form sums products over
+``kv_b_proj`` where it lies instead of rearranging it into per-head blocks for two batched
+matmuls. A decoding step of DeepSeek-V2-Lite's attention shapes (16 heads, 1,024 cached
+tokens, AMD EPYC family 25, in turns in one process): 7.8 -> 6.7-7.0 ms at batch 1, 18.0 ->
+15.2 ms at batch 2, even at batch 4 and twice as slow at batch 8, where every row reads the
+whole weight again."""
+
+
 def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_rng, precision, implementation):
     """:func:`mla_forward` after its checks, positions and segment ids batched."""
     N = c.num_heads
@@ -403,19 +414,31 @@ def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_r
     if c.absorb:
         # q_n . k_n = (q_n W_UK^T) . c_kv: multi-query attention over the latents themselves.
         dtype = jnp.result_type(q_nope, kv_b)
-        # kv_b_proj per head, (N, r_kv, d_n + d_v): one transpose copying runs of d_n + d_v, kept
-        # as it is (the barrier) so that XLA does not fold it into each matmul below, where it
-        # chose a transpose with r_kv innermost (strided reads). 16 heads of a 2,048-wide layer,
-        # one token, AMD EPYC: the two matmuls 2.3 -> 0.9 ms (batch 1), 5.1 -> 3.1 ms (batch 8).
-        kv_b = jax.lax.optimization_barrier(jnp.transpose(kv_b, (1, 0, 2)).astype(dtype))
-        q_latent = jnp.einsum("BTNH,NRH->BTNR", q_nope.astype(dtype), kv_b[..., :dn], precision=precision)
+        if B * T <= ROWS_READING_KV_B_IN_PLACE:
+            # One or two query rows (decoding): products summed where kv_b_proj lies, each
+            # half read once and nothing rearranged (float32 sums for 16-bit inputs).
+            acc = jnp.promote_types(dtype, jnp.float32)
+            q_latent = jnp.sum(q_nope.astype(acc)[:, :, None] * kv_b[..., :dn].astype(acc), axis=-1)  # (B, T, R, N)
+            absorb_values = lambda o: jnp.sum(  # noqa: E731
+                jnp.swapaxes(o, 2, 3)[..., None].astype(acc) * kv_b[..., dn:].astype(acc), axis=2).astype(dtype)
+            q_latent = jnp.swapaxes(q_latent, 2, 3).astype(dtype)
+        else:
+            # kv_b_proj per head, (N, r_kv, d_n + d_v): one transpose copying runs of d_n + d_v,
+            # kept as it is (the barrier) so that XLA does not fold it into each matmul below,
+            # where it chose a transpose with r_kv innermost (strided reads). 16 heads of a
+            # 2,048-wide layer, one token, AMD EPYC: the two matmuls 2.3 -> 0.9 ms (batch 1),
+            # 5.1 -> 3.1 ms (batch 8).
+            kv_b = jax.lax.optimization_barrier(jnp.transpose(kv_b, (1, 0, 2)).astype(dtype))
+            q_latent = jnp.einsum("BTNH,NRH->BTNR", q_nope.astype(dtype), kv_b[..., :dn], precision=precision)
+            absorb_values = lambda o: jnp.einsum("BTNR,NRV->BTNV", o, kv_b[..., dn:],  # noqa: E731
+                                                 precision=precision)
         query = jnp.concatenate([q_latent, q_pe.astype(dtype)], axis=-1)                 # (B, T, N, r_kv + d_r)
         # key [c_kv, k_pe] (B, S, 1, r_kv + d_r): the latent cache as it stands. It is the value
         # too, the output's last d_r dims dropped: c_kv alone would be a strided copy of the cache.
         key = (jnp.concatenate([c_kv, k_pe], axis=-1) if cache is None else new_cache.latent)[:, :, None, :]
         key = key.astype(dtype)
         o_latent = dot_product_attention(query, key, key, None, mask, **attend)[..., :R]
-        out = jnp.einsum("BTNR,NRV->BTNV", o_latent, kv_b[..., dn:], precision=precision)
+        out = absorb_values(o_latent)
     else:
         kv = dense(params["kv_b_proj"], c_kv, precision).reshape(B, S, N, dn + dv)
         key = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_pe[:, :, None, :], (B, S, N, dr)).astype(kv.dtype)],
