@@ -26,6 +26,8 @@ machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` or
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 from pathlib import Path
@@ -130,6 +132,29 @@ def decode_compiler_options() -> dict:
     if jax.default_backend() != "cpu" or has_avx512() or not _ynnpack_off_accepted():
         return {}
     return dict(YNNPACK_OFF)
+
+
+_TRACED_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("flax_attn_traced_compiler_options", default=None)
+
+
+@contextlib.contextmanager
+def compiled_with(compiler_options: dict):
+    """Declares, while a function is traced, the XLA compile options its program will get
+    (``jax.jit``'s ``compiler_options``), for the forms that depend on them
+    (:func:`ynnpack_fusions_off`). :func:`flax_attn.decode_step` traces its step under it.
+    Tracing elsewhere (a plain ``jax.jit``) declares nothing: XLA's defaults."""
+    token = _TRACED_OPTIONS.set(dict(compiler_options))
+    try:
+        yield
+    finally:
+        _TRACED_OPTIONS.reset(token)
+
+
+def ynnpack_fusions_off() -> bool:
+    """Whether the function being traced was declared (:func:`compiled_with`) to compile
+    with :data:`YNNPACK_OFF`'s option, XLA's YNNPACK fusions off."""
+    options = _TRACED_OPTIONS.get()
+    return options is not None and options.get("xla_cpu_experimental_ynn_fusion_type") == ""
 
 
 def working_set_bytes(bq: int, bk: int, H: int, Hv: int, itemsize: int) -> int:

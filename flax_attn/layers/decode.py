@@ -93,7 +93,7 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
             args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
             return layer.apply(variables, *args, cache=cache, **_deterministic(layer))
 
-        jitted = jit(_checked(call))
+        jitted = jit(_checked(call, compiler_options))
         read = _Reader(check_lag)
 
         def step(variables, cache, x, positions, segment_ids=None) -> Any:
@@ -111,7 +111,7 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
             args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
             return module(*args, cache=cache, **_deterministic(module))
 
-        jitted = jit(_checked(call_nnx))
+        jitted = jit(_checked(call_nnx, compiler_options))
         read = _Reader(check_lag)
 
         def step(cache, x, positions, segment_ids=None) -> Any:
@@ -122,12 +122,13 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     return step
 
 
-def _checked(call):
+def _checked(call, compiler_options: dict):
     """``call`` returning ``(result, (ok, checks))``: its run-time checks as outputs
     (:func:`flax_attn._checks.deferred_checks`) and ``ok``, whether all held; when one
-    fails, the floating leaves of ``result[0]`` (the step's ``out``) are NaN."""
+    fails, the floating leaves of ``result[0]`` (the step's ``out``) are NaN. Traced under
+    :func:`flax_attn.core.tuning.compiled_with` the step's ``compiler_options``."""
     def run(*args):
-        with _checks.deferred_checks() as deferred:
+        with _checks.deferred_checks() as deferred, tuning.compiled_with(compiler_options):
             out, *rest = call(*args)
         ok = deferred.all_ok()
         poison = lambda y: jnp.where(ok, y, jnp.nan) if jnp.issubdtype(y.dtype, jnp.inexact) else y

@@ -170,3 +170,41 @@ def test_a_decoding_loop_over_a_large_cache_follows_the_plain_path():
     blocks, plain = outs.values()
     assert_close(blocks, plain, np.float32, "key blocks vs plain, per step")
     assert_close(plain, fa.Attention(config).apply(params, x, positions), np.float32, "decode vs the full pass")
+
+
+ONE_ROW = {
+    "lengths": dict(),
+    "causal-window-softcap": dict(is_causal=True, local_window_size=(3, 0), query_positions=Q_POS[:, -1:],
+                                  key_positions=K_POS, logit_softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("feature", list(ONE_ROW), ids=list(ONE_ROW))
+def test_one_row_units_sum_in_place_when_compiled_without_ynnpack(feature):
+    """One query row per (batch row, key/value head) unit (multi-head decoding), traced for a
+    program without YNNPACK's fusions (tuning.compiled_with): the blocks' logits and weighted
+    values are summed products, not matmuls; outputs, log-sum-exp and gradients are the plain
+    path's (float64). Traced without the declaration, the blocks keep their matmuls."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, 1, K, H)))
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, H))) for _ in range(2))
+
+    def f(impl):
+        def run(q, k, v):
+            out, lse = fa.dot_product_attention(q, k, v, key_value_seq_lengths=LENGTHS, return_residual=True,
+                                                implementation=impl, **ONE_ROW[feature])
+            return out, jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return run
+
+    loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a)[0] * jnp.cos(jnp.arange(H)))  # noqa: E731
+    dots = lambda: str(jax.make_jaxpr(f(BLOCKS))(q, k, v)).count("dot_general")  # noqa: E731
+    matmul_dots = dots()
+    with tuning.compiled_with(tuning.YNNPACK_OFF):
+        assert dots() == matmul_dots - 2  # the blocks' two matmuls; the plain-pass branch keeps its own
+        got = jax.jit(f(BLOCKS))(q, k, v)
+        grads = jax.jit(jax.grad(loss(BLOCKS), argnums=(0, 1, 2)))(q, k, v)
+    assert not tuning.ynnpack_fusions_off()  # the declaration ends with its block
+    for g, w, what in zip(got, f("xla")(q, k, v), ("out", "lse")):
+        assert_close(g, w, np.float64, f"{feature} {what}")
+    for g, w, what in zip(grads, jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v), "qkv"):
+        assert_close(g, w, np.float64, f"{feature} d{what}")

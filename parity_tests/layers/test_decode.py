@@ -256,6 +256,32 @@ def test_decode_compiler_options_follow_the_cpu(monkeypatch):
     assert tuning.decode_compiler_options() == {}
 
 
+def test_decode_step_declares_its_compile_options_while_tracing():
+    """Forms that depend on the compile options (tuning.ynnpack_fusions_off, read by the key
+    blocks) see the step's own options while it is traced, and nothing outside it."""
+    import flax.linen as nn
+
+    from flax_attn.core import tuning
+
+    if not tuning._ynnpack_off_accepted():
+        pytest.skip("this jaxlib has no YNNPACK fusion option")
+    seen = []
+
+    class Probe(nn.Module):
+        @nn.compact
+        def __call__(self, x, positions, cache=None):
+            seen.append(tuning.ynnpack_fusions_off())
+            return x, cache
+
+    x, positions = jnp.ones((1, 1, 4)), jnp.zeros((1, 1), jnp.int32)
+    for options, declared in (({}, False), (tuning.YNNPACK_OFF, True)):
+        step = fa.decode_step(Probe(), compiler_options=options)
+        out, _ = step({}, jnp.zeros(2), x, positions)
+        assert seen[-1] is declared, options
+        np.testing.assert_array_equal(out, x)
+    assert not tuning.ynnpack_fusions_off()
+
+
 def test_decode_step_compiler_options():
     """A step compiled without YNNPACK's fusions decodes as one with XLA's defaults and as the
     full pass; the options reach the compiled program."""
