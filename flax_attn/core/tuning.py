@@ -18,7 +18,9 @@ docstring); :func:`blockwise_forward_tiles` the larger tile of a call that is no
 differentiated (1,024 x 1,024 there). Where the cache size cannot be read (not Linux, or no
 sysfs), 1 MiB is assumed. :func:`has_avx512` reads the CPU's instruction-set flags
 (``/proc/cpuinfo``), on which one choice of matmul form depends
-(:func:`flax_attn.core.numerics.weighted_values`).
+(:func:`flax_attn.core.numerics.weighted_values`). :func:`compiled_with` declares, while a
+function is traced, the XLA compile options its program will get (:func:`flax_attn.decode_step`
+does), for the forms that are fast only under them (:func:`ynnpack_fusions_off`).
 
 The results depend only on the machine and the shapes, so that a program traced twice on one
 machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` or
