@@ -51,7 +51,8 @@ took 34 and 181 ms while every slot was read and the cache concatenated and zero
 decompresses every slot's keys and values at each step (``kv_b_proj`` over the whole cache:
 335 ms there): decode with ``absorb=True``. With more than two query rows (batch x tokens)
 the absorbed form rearranges ``kv_b_proj`` into per-head blocks at each call (Hugging Face's
-layout interleaves them), a cost that grows with the heads; with one or two it reads
+layout interleaves them), a cost that grows with the heads; with one or two, in a step of
+:func:`flax_attn.decode_step` compiled without YNNPACK (CPUs without AVX-512), it reads
 ``kv_b_proj`` where it lies (:data:`ROWS_READING_KV_B_IN_PLACE`): with 128 heads (D 2048,
 batch 1, 1,024 cached tokens, AMD EPYC family 25) a step took 80 ms rearranging and 65 ms
 without.
@@ -75,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_attn import _checks
-from flax_attn.core import dot_product_attention
+from flax_attn.core import dot_product_attention, tuning
 from flax_attn.layers.cache import combined_mask, one_query_key_positions, truncate_slots
 from flax_attn.layers.common import (by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
                                      linear_params, rms_norm, scale_params)
@@ -365,12 +366,15 @@ def mla_forward(config: MLAConfig, params: Mapping, x, positions, segment_ids=No
 
 
 ROWS_READING_KV_B_IN_PLACE = 2
-"""Up to this many query rows (batch x tokens), the absorbed form sums products over
+"""Up to this many query rows (batch x tokens), in a program declared to compile without
+XLA's YNNPACK fusions (:func:`flax_attn.core.tuning.compiled_with`: a step of
+:func:`flax_attn.decode_step` on a CPU without AVX-512), the absorbed form sums products over
 ``kv_b_proj`` where it lies instead of rearranging it into per-head blocks for two batched
 matmuls. A decoding step of DeepSeek-V2-Lite's attention shapes (16 heads, 1,024 cached
 tokens, AMD EPYC family 25, in turns in one process): 7.8 -> 6.7-7.0 ms at batch 1, 18.0 ->
 15.2 ms at batch 2, even at batch 4 and twice as slow at batch 8, where every row reads the
-whole weight again."""
+whole weight again. With YNNPACK's fusions on (XLA's default) the sums took 20.3 ms at
+batch 1 against the matmuls' 8.7."""
 
 
 def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_rng, precision, implementation):
@@ -414,9 +418,10 @@ def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_r
     if c.absorb:
         # q_n . k_n = (q_n W_UK^T) . c_kv: multi-query attention over the latents themselves.
         dtype = jnp.result_type(q_nope, kv_b)
-        if B * T <= ROWS_READING_KV_B_IN_PLACE:
-            # One or two query rows (decoding): products summed where kv_b_proj lies, each
-            # half read once and nothing rearranged (float32 sums for 16-bit inputs).
+        if B * T <= ROWS_READING_KV_B_IN_PLACE and tuning.ynnpack_fusions_off():
+            # One or two query rows (decoding) in a program without YNNPACK's fusions: products
+            # summed where kv_b_proj lies, each half read once and nothing rearranged (float32
+            # sums for 16-bit inputs).
             acc = jnp.promote_types(dtype, jnp.float32)
             q_latent = jnp.sum(q_nope.astype(acc)[:, :, None] * kv_b[..., :dn].astype(acc), axis=-1)  # (B, T, R, N)
             absorb_values = lambda o: jnp.sum(  # noqa: E731

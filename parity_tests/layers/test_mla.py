@@ -64,36 +64,40 @@ def test_parity(name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 2), (2, 1)])
 def test_absorbed_parity_with_kv_b_read_in_place(B, T, dtype):
-    # At most mla.ROWS_READING_KV_B_IN_PLACE query rows (batch x tokens), the absorbed form sums
-    # over kv_b_proj where it lies instead of two batched matmuls: outputs and gradients.
+    # At most mla.ROWS_READING_KV_B_IN_PLACE query rows (batch x tokens), traced for a program
+    # without YNNPACK's fusions, the absorbed form sums over kv_b_proj where it lies instead of
+    # two batched matmuls (no transpose of it in the program): outputs and gradients.
+    from flax_attn.core import tuning
     from flax_attn.layers import mla
 
     assert B * T <= mla.ROWS_READING_KV_B_IN_PLACE
     t, f = pair(VARIANTS["absorbed"])
-    run_parity(t, f, inputs(B, T), dtype, flax_kwargs={"deterministic": True})
+    x, positions = inputs(B, T)
+    params = f.init(jax.random.key(0), jnp.asarray(x), positions)
+    transposes = lambda: str(jax.make_jaxpr(f.apply)(params, x, positions)).count("transpose[")  # noqa: E731
+    rearranging = transposes()
+    with tuning.compiled_with(tuning.YNNPACK_OFF):
+        assert transposes() == rearranging - 1
+        run_parity(t, f, (x, positions), dtype, flax_kwargs={"deterministic": True})
 
 
 def test_absorbed_bfloat16_rows_in_place_equal_the_matmuls():
     # The in-place sums and the batched matmuls, bfloat16 parameters and inputs: both within
     # bfloat16's rounding of the float64 result, and their outputs are bfloat16.
-    from flax_attn.layers import mla
+    from flax_attn.core import tuning
 
     config = MLAConfig(**BASE, **VARIANTS["absorbed"])
     params = params_of(config)["params"]
     x, positions = inputs(1, 1)
     want = np.asarray(mla_forward(config, params, x, positions))
     low = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
-    got = {}
-    for rows in (0, mla.ROWS_READING_KV_B_IN_PLACE):
-        saved, mla.ROWS_READING_KV_B_IN_PLACE = mla.ROWS_READING_KV_B_IN_PLACE, rows
-        try:
-            got[rows] = mla_forward(config, low, jnp.asarray(x, jnp.bfloat16), positions)
-        finally:
-            mla.ROWS_READING_KV_B_IN_PLACE = saved
-    for rows, out in got.items():
+    run = lambda: mla_forward(config, low, jnp.asarray(x, jnp.bfloat16), positions)  # noqa: E731
+    with tuning.compiled_with(tuning.YNNPACK_OFF):
+        in_place = run()
+    for out in (run(), in_place):
         assert out.dtype == jnp.bfloat16
         err = float(np.max(np.abs(np.asarray(out, np.float64) - want)) / np.max(np.abs(want)))
-        assert err < 3e-2, (rows, err)
+        assert err < 3e-2, err
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
