@@ -93,7 +93,7 @@ def has_avx512() -> bool:
 
 YNNPACK_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
 """XLA compile options that turn off XLA's YNNPACK fusions on CPU (its matmuls then run on its
-Eigen kernels): :func:`decode_compiler_options`."""
+Eigen kernels): :func:`cpu_compiler_options`."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,13 +109,16 @@ def _ynnpack_off_accepted() -> bool:
         return False
 
 
-def decode_compiler_options() -> dict:
-    """The XLA compile options of a decoding step (:func:`flax_attn.decode_step`): on a CPU
-    without AVX-512, :data:`YNNPACK_OFF` where this jaxlib accepts it; otherwise none.
+def cpu_compiler_options() -> dict:
+    """XLA compile options for flax_attn's programs on this machine: on a CPU without AVX-512,
+    :data:`YNNPACK_OFF` where this jaxlib accepts it; otherwise none. A decoding step of
+    :func:`flax_attn.decode_step` is compiled with them by default; pass them to the ``jax.jit``
+    of a training step (``jax.jit(train_step, compiler_options=cpu_compiler_options())``). No
+    result depends on them.
 
-    A decoding step's matmuls have few rows (a token per batch row: projections of 1-8 rows,
-    grouped queries' 2-16 rows against the cache) and are bound by reading their weights and
-    the cache. On a 2-core AMD EPYC of family 25 (AVX2, no AVX-512) XLA's Eigen kernels ran
+    **Decoding.** A step's matmuls have few rows (a token per batch row: projections of 1-8
+    rows, grouped queries' 2-16 rows against the cache) and are bound by reading their weights
+    and the cache. On a 2-core AMD EPYC of family 25 (AVX2, no AVX-512) XLA's Eigen kernels ran
     them faster than its YNNPACK fusions: a step of a 768-wide, 12-query-head RoPE layer, in
     turns in one process, default against YNNPACK off (ms): 12 key/value heads, batch 8 / 1,
     1,024 tokens: 7.58 -> 7.34, 1.77 -> 1.61; 1,024 of 8,192 slots at batch 8: 14.0 -> 13.6;
@@ -126,8 +129,15 @@ def decode_compiler_options() -> dict:
     4.97. A 1,024-token prefill through the same step (one program with the steps): 149.6 ->
     114.8 ms at batch 1, 1,059 -> 937 ms at batch 8, 68.8 -> 73.0 ms with 2 key/value heads at
     batch 1. In a full benchmark run after the change the grouped-query steps went from 1.04x,
-    1.52x, 1.18x, 1.29x PyTorch eager to 0.94x, 1.15x, 0.77x, 0.89x. Not measured on CPUs with
-    AVX-512, which keep XLA's default.
+    1.52x, 1.18x, 1.29x PyTorch eager to 0.94x, 1.15x, 0.77x, 0.89x.
+
+    **Training.** The GPT-2-small layer (batch 8, 1,024 tokens, 768 wide, 12 heads, float32),
+    same machine, three runs in turns with the PyTorch SDPA layer in one process: forward and
+    backward 1.164x / 1.128x / 1.132x PyTorch's time with XLA's defaults, 1.090x / 1.030x /
+    1.055x with these options; the forward alone 0.889x / 1.006x / 0.899x against 1.030x /
+    1.100x / 0.914x (no better). On the earlier AMD EPYC kind YNNPACK off made the layer no
+    faster (1.09x / 1.19x against 1.09x / 1.14x with the defaults); CPUs with AVX-512 keep
+    XLA's defaults (not measured there).
     """
     import jax
 

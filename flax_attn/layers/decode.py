@@ -57,7 +57,7 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
       check_lag: a one-token step's checks are read this many calls after it (default
         ``CHECK_LAG``); 1 reads them at the next call.
       compiler_options: XLA compile options of the step (``jax.jit``'s ``compiler_options``).
-        None (default): :func:`flax_attn.core.tuning.decode_compiler_options`, which on a CPU
+        None (default): :func:`flax_attn.core.tuning.cpu_compiler_options`, which on a CPU
         without AVX-512 runs the step's matmuls on XLA's Eigen kernels instead of its YNNPACK
         fusions (3-25% faster steps measured there); ``{}``: XLA's defaults.
 
@@ -84,7 +84,7 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     _checks.check_positive_int("check_lag", check_lag)
     donate_argnums = (1,) if donate else ()
     if compiler_options is None:
-        compiler_options = tuning.decode_compiler_options()
+        compiler_options = tuning.cpu_compiler_options()
     elif not isinstance(compiler_options, dict):
         raise TypeError(f"decode_step compiler_options must be a dict or None, got {type(compiler_options).__name__}")
     jit = functools.partial(jax.jit, donate_argnums=donate_argnums, compiler_options=compiler_options or None)

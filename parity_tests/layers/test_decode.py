@@ -238,22 +238,22 @@ def test_mla_benchmark_rows_and_report():
         assert f"| 2 | 64 | {slots} | 1 | flax_attn absorbed |" in bench.report(rows, bench.TITLE)
 
 
-def test_decode_compiler_options_follow_the_cpu(monkeypatch):
+def test_cpu_compiler_options_follow_the_cpu(monkeypatch):
     from flax_attn.core import tuning
 
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(tuning, "has_avx512", lambda: False)
-    assert tuning.decode_compiler_options() == ({"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert tuning.cpu_compiler_options() == ({"xla_cpu_experimental_ynn_fusion_type": ""}
                                                 if tuning._ynnpack_off_accepted() else {})
     monkeypatch.setattr(tuning, "_ynnpack_off_accepted", lambda: False)  # a jaxlib without the option
-    assert tuning.decode_compiler_options() == {}
+    assert tuning.cpu_compiler_options() == {}
     monkeypatch.setattr(tuning, "_ynnpack_off_accepted", lambda: True)
-    assert tuning.decode_compiler_options() == tuning.YNNPACK_OFF
+    assert tuning.cpu_compiler_options() == tuning.YNNPACK_OFF
     monkeypatch.setattr(tuning, "has_avx512", lambda: True)
-    assert tuning.decode_compiler_options() == {}
+    assert tuning.cpu_compiler_options() == {}
     monkeypatch.setattr(tuning, "has_avx512", lambda: False)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert tuning.decode_compiler_options() == {}
+    assert tuning.cpu_compiler_options() == {}
 
 
 def test_decode_step_declares_its_compile_options_while_tracing():
@@ -304,7 +304,7 @@ def test_decode_step_compiler_options():
         outs[name] = jnp.concatenate(pieces, axis=1)
         assert_close(outs[name], full, np.float32, f"decode_step ({name} options) vs full pass")
     # XLA's default fuses the step's matmuls with YNNPACK (if a jaxlib stops doing so, the option
-    # has nothing left to turn off: see tuning.decode_compiler_options)
+    # has nothing left to turn off: see tuning.cpu_compiler_options)
     assert "__ynn_fusion" in texts["default"]
     assert "__ynn_fusion" not in texts["off"]
     with pytest.raises(TypeError, match="decode_step compiler_options must be a dict or None, got list"):
