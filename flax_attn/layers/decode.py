@@ -59,7 +59,10 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
       compiler_options: XLA compile options of the step (``jax.jit``'s ``compiler_options``).
         None (default): :func:`flax_attn.core.tuning.cpu_compiler_options`, which on a CPU
         without AVX-512 runs the step's matmuls on XLA's Eigen kernels instead of its YNNPACK
-        fusions (3-25% faster steps measured there); ``{}``: XLA's defaults.
+        fusions (3-25% faster steps measured there); ``{}``: XLA's defaults. The step is traced
+        under :func:`flax_attn.core.tuning.compiled_with` these options, so that forms fast
+        only under them are taken (the key blocks' summed one-row units, the absorbed latent
+        attention's in-place ``kv_b_proj``).
 
     Returns:
       Linen: ``step(variables, cache, x, positions, segment_ids=None) -> (out, cache)``;
