@@ -8,8 +8,8 @@
    MultiHeadAttention with each implementation, the chapter's layer in torch_ref, a PyTorch
    layer on F.scaled_dot_product_attention (the peer), a Flax layer on
    jax.nn.dot_product_attention, and Flax's nn.MultiHeadDotProductAttention; where
-   flax_attn.core.tuning.cpu_compiler_options() recommends XLA compile options for this CPU,
-   flax_attn's layer compiled with them as well. Forward and
+   flax_attn.core.tuning.cpu_compiler_options() has XLA compile options for this CPU,
+   flax_attn's layer compiled by fa.jit (with them) as well. Forward and
    forward+backward (gradients of the input and every parameter), compiled, warm-up excluded,
    median over repeats taken in turns (contender by contender, repeat by repeat).
 2. A length sweep of the attention core (1 sequence, 8 heads of 64, causal, 1k to 64k tokens):
@@ -146,12 +146,12 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
     x_np = np.random.default_rng(0).standard_normal((B, T, D)).astype(np.float32)
     contenders = {}
 
-    def jax_contender(module, label, compiler_options=None):
+    def jax_contender(module, label, jit=jax.jit):
         x = jnp.asarray(x_np, jdtype)
         params = module.init(jax.random.key(0), x[:, :8])
-        fwd = jax.jit(lambda p, x: module.apply(p, x), compiler_options=compiler_options)
+        fwd = jit(lambda p, x: module.apply(p, x))
         loss = lambda p, x: jnp.sum(module.apply(p, x).astype(jnp.float32))
-        bwd = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=compiler_options)
+        bwd = jit(jax.grad(loss, argnums=(0, 1)))
         contenders[label] = (lambda: fwd(params, x), lambda: bwd(params, x))
 
     impls, declined = layer_implementations(B, T, N, D // N, jdtype, jax.default_backend())
@@ -162,10 +162,8 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
         mha = fa.MultiHeadAttention(D, D, T, 0.0, N, param_dtype=jdtype, implementation=impl)
         jax_contender(_Deterministic(mha), label)
     mha = fa.MultiHeadAttention(D, D, T, 0.0, N, param_dtype=jdtype)
-    options = tuning.cpu_compiler_options()
-    if options:  # the compile options recommended on this CPU, where there are any
-        jax_contender(_Deterministic(mha), "flax_attn MultiHeadAttention (auto), compiled with tuning.cpu_compiler_options()",
-                      options)
+    if tuning.cpu_compiler_options():  # where this CPU has compile options of its own: fa.jit's program
+        jax_contender(_Deterministic(mha), "flax_attn MultiHeadAttention (auto), compiled by fa.jit", fa.jit)
     jax_contender(_FusedProjections(mha), "flax_attn MultiHeadAttention (auto), one fused QKV matmul")
     jax_contender(JaxNNMultiHeadAttention(D, N, dtype=jdtype), "Flax layer on jax.nn.dot_product_attention")
     jax_contender(FlaxMultiHeadDotProductAttention(D, N, dtype=jdtype), "flax.linen.MultiHeadDotProductAttention")

@@ -29,6 +29,7 @@ from flax_attn import checkpoint, core, hf, interop, nnx, plot
 from flax_attn.layers.flax_hook import flax_attention_fn
 from flax_attn.core import dot_product_attention, dropout, keep_host_memory, masked_softmax
 from flax_attn.core import mask as masks
+from flax_attn.core.tuning import jit
 from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
 from flax_attn.layers import (Attention, AttentionConfig, ContextKV, KVCache, LatentKVCache, LearnedPositionalEmbedding,
                               MLAConfig, MultiHeadLatentAttention, decode_step, mla_forward, mla_params)
@@ -67,6 +68,7 @@ __all__ = [
     "MLAConfig",
     "MultiHeadLatentAttention",
     "decode_step",
+    "jit",
     "keep_host_memory",
     "mla_forward",
     "mla_params",

@@ -79,7 +79,8 @@ class QueryBlocks(Implementation):
         block's logits (``C * G * block_q * keys * 4`` bytes) within this, dividing the units,
         and at least ``min_units``. None: twice the per-core L2 cache
         (:func:`flax_attn.core.tuning.l2_cache_bytes`), so that a step's logits fit the L2
-        caches of two cores.
+        caches of two cores (one L2 in a program compiled by :func:`flax_attn.jit` without
+        YNNPACK, where ``min_units`` defaults to 1: measured faster there).
       min_units: the fewest units a step takes (where the units allow). None: 2 for
         multi-head attention, 1 with grouped queries (G > 1). Two units a step made reverse
         mode faster in both cases, but the forward of grouped queries slower (their blocks
@@ -130,6 +131,22 @@ class QueryBlocks(Implementation):
         return (call.platform == "cpu" and min(call.T, call.S) >= self.min_length and static_ranges
                 and -(-call.T // self._block_q(call)) <= self.max_blocks)
 
+    def _step_units(self, call, B, bq: int, widest: int) -> tuple:
+        """``(rows, chunk)``: the batch rows of one chunk of the layer's rows and the units of
+        one step (dividing ``rows * K``), from ``chunk_bytes`` and ``min_units``. Their
+        defaults: twice the per-core L2 and 2 units for multi-head attention; in a program
+        declared to compile without YNNPACK (:func:`flax_attn.core.tuning.compiled_with`) one
+        L2 and one unit, measured faster there (GPT-2-small's layer on a 2-core AMD EPYC of
+        family 25, 512 KiB L2, in turns with PyTorch's: forward+backward 1.125x -> 1.067x and
+        1.162x -> 1.068x PyTorch's time, forward 1.046x -> 1.008x and 1.008x -> 0.998x)."""
+        K, G = call.K, call.G
+        lean = call.platform == "cpu" and tuning.ynnpack_fusions_off()
+        budget = (1 if lean else 2) * tuning.l2_cache_bytes() if self.chunk_bytes is None else self.chunk_bytes
+        fewest = self.min_units or (2 if G == 1 and not lean else 1)
+        want = max(fewest, budget // max(1, 4 * G * bq * widest))  # units whose block logits fit the budget
+        rows = tuning.unit_chunk(B, 1, want // K) if want >= K and isinstance(B, int) else 1
+        return rows, tuning.unit_chunk(rows, K, want)  # units of one step, dividing the rows' rows * K
+
     def _block_q(self, call) -> int:
         if self.block_q is not None:
             return min(call.T, self.block_q)
@@ -152,11 +169,7 @@ class QueryBlocks(Implementation):
             logits = dataclasses.replace(logits, scale=1.0)
         ranges = key_ranges(call.mask, T, S, bq)
         widest = max(k1 - k0 for _, _, k0, k1 in ranges)
-        budget = 2 * tuning.l2_cache_bytes() if self.chunk_bytes is None else self.chunk_bytes
-        fewest = self.min_units or (2 if G == 1 else 1)
-        want = max(fewest, budget // max(1, 4 * G * bq * widest))  # units whose block logits fit the budget
-        rows = tuning.unit_chunk(B, 1, want // K) if want >= K and isinstance(B, int) else 1
-        chunk = tuning.unit_chunk(rows, K, want)  # units of one step, dividing the rows' rows * K
+        rows, chunk = self._step_units(call, B, bq, widest)
         acc = call.acc_dtype
 
         def run_chunk(args):

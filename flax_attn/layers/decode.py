@@ -59,9 +59,9 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
       compiler_options: XLA compile options of the step (``jax.jit``'s ``compiler_options``).
         None (default): :func:`flax_attn.core.tuning.cpu_compiler_options`, which on a CPU
         without AVX-512 runs the step's matmuls on XLA's Eigen kernels instead of its YNNPACK
-        fusions (3-25% faster steps measured there); ``{}``: XLA's defaults. The step is traced
-        under :func:`flax_attn.core.tuning.compiled_with` these options, so that forms fast
-        only under them are taken (the key blocks' summed one-row units, the absorbed latent
+        fusions (3-25% faster steps measured there); ``{}``: XLA's defaults. The step is
+        compiled by :func:`flax_attn.core.tuning.jit`, so that forms fast only under these
+        options are taken (the key blocks' summed one-row units, the absorbed latent
         attention's in-place ``kv_b_proj``).
 
     Returns:
@@ -86,17 +86,15 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     """
     _checks.check_positive_int("check_lag", check_lag)
     donate_argnums = (1,) if donate else ()
-    if compiler_options is None:
-        compiler_options = tuning.cpu_compiler_options()
-    elif not isinstance(compiler_options, dict):
+    if compiler_options is not None and not isinstance(compiler_options, dict):
         raise TypeError(f"decode_step compiler_options must be a dict or None, got {type(compiler_options).__name__}")
-    jit = functools.partial(jax.jit, donate_argnums=donate_argnums, compiler_options=compiler_options or None)
+    jit = functools.partial(tuning.jit, donate_argnums=donate_argnums, compiler_options=compiler_options)
     if isinstance(layer, nn.Module):
         def call(variables, cache, x, positions, segment_ids):
             args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
             return layer.apply(variables, *args, cache=cache, **_deterministic(layer))
 
-        jitted = jit(_checked(call, compiler_options))
+        jitted = jit(_checked(call))
         read = _Reader(check_lag)
 
         def step(variables, cache, x, positions, segment_ids=None) -> Any:
@@ -114,7 +112,7 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
             args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
             return module(*args, cache=cache, **_deterministic(module))
 
-        jitted = jit(_checked(call_nnx, compiler_options))
+        jitted = jit(_checked(call_nnx))
         read = _Reader(check_lag)
 
         def step(cache, x, positions, segment_ids=None) -> Any:
@@ -125,13 +123,12 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     return step
 
 
-def _checked(call, compiler_options: dict):
+def _checked(call):
     """``call`` returning ``(result, (ok, checks))``: its run-time checks as outputs
     (:func:`flax_attn._checks.deferred_checks`) and ``ok``, whether all held; when one
-    fails, the floating leaves of ``result[0]`` (the step's ``out``) are NaN. Traced under
-    :func:`flax_attn.core.tuning.compiled_with` the step's ``compiler_options``."""
+    fails, the floating leaves of ``result[0]`` (the step's ``out``) are NaN."""
     def run(*args):
-        with _checks.deferred_checks() as deferred, tuning.compiled_with(compiler_options):
+        with _checks.deferred_checks() as deferred:
             out, *rest = call(*args)
         ok = deferred.all_ok()
         poison = lambda y: jnp.where(ok, y, jnp.nan) if jnp.issubdtype(y.dtype, jnp.inexact) else y

@@ -85,3 +85,50 @@ def test_cpu_flags_are_read_from_the_first_flags_line():
             "processor\t: 1\nflags\t\t: fpu\n")
     assert _parse_flags(text) == {"fpu", "sse2", "avx2", "avx512f", "avx512bw"}
     assert _parse_flags("processor\t: 0\n") == frozenset()
+
+
+def test_fa_jit_compiles_with_the_options_and_declares_them(monkeypatch):
+    """fa.jit traces under tuning.compiled_with its options (the machine's by default) and
+    computes what jax.jit does: query blocks with one unit a step where YNNPACK is off, two
+    otherwise (multi-head attention), and the same outputs and gradients."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import flax_attn as fa
+    from flax_attn.core import QueryBlocks, tuning
+    from flax_attn.core.call import describe
+
+    if not tuning._ynnpack_off_accepted():
+        pytest.skip("this jaxlib has no YNNPACK fusion option")
+    seen = []
+
+    def probe(x):
+        seen.append(tuning.ynnpack_fusions_off())
+        return x + 1
+
+    for options, declared in (({}, False), (tuning.YNNPACK_OFF, True), (None, tuning.cpu_compiler_options() != {})):
+        assert float(fa.jit(probe, compiler_options=options)(1.0)) == 2.0
+        assert seen[-1] is declared, options
+    assert not tuning.ynnpack_fusions_off()
+    with pytest.raises(TypeError, match="compiler_options must be a dict or None, got list"):
+        fa.jit(probe, compiler_options=[])
+
+    monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 512 << 10)  # AMD EPYC family 25's
+    q = jax.ShapeDtypeStruct((8, 1024, 12, 64), jnp.float32)
+    call = describe(q, q, q, is_causal=True, platform="cpu")
+    blocks = QueryBlocks()
+    assert blocks._step_units(call, 8, 128, 1024)[1] == 2
+    with tuning.compiled_with(tuning.YNNPACK_OFF):
+        assert blocks._step_units(call, 8, 128, 1024)[1] == 1
+        assert QueryBlocks(min_units=2)._step_units(call, 8, 128, 1024)[1] == 2
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 40, 4, 8)), jnp.float32) for _ in range(3))
+    run = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True,  # noqa: E731
+                                                   implementation=QueryBlocks(block_q=8, chunk_bytes=1))
+    grad = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1, 2))
+    for f in (run, grad):
+        got, want = fa.jit(f, compiler_options=tuning.YNNPACK_OFF)(q, k, v), jax.jit(f)(q, k, v)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
