@@ -117,13 +117,13 @@ def main(argv=None):
         logits = model.apply(p, batch[:, :-1], positions)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
-    @jax.jit
+    @fa.jit  # jax.jit with this CPU's XLA compile options (flax_attn.core.tuning.cpu_compiler_options)
     def train_step(p, state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(p, batch)
         updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
-    evaluate = jax.jit(loss_fn)
+    evaluate = fa.jit(loss_fn)
     # Evaluation: evenly spaced windows, as many as fit side by side in the held-out text (whole
     # batches; 192 windows, 98% of it), the same number from the training text; 16 with --quick.
     eval_count = 16 if args.quick else (len(held_out) - 1) // CONTEXT // BATCH * BATCH
