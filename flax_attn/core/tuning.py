@@ -169,6 +169,28 @@ def ynnpack_fusions_off() -> bool:
     return options is not None and options.get("xla_cpu_experimental_ynn_fusion_type") == ""
 
 
+_KEYS_STORED: contextvars.ContextVar = contextvars.ContextVar("flax_attn_keys_stored", default=None)
+
+
+@contextlib.contextmanager
+def keys_stored(layout: Optional[str]):
+    """Declares, while attention is traced, how the ``(B, S, K, H)`` keys and values it is given
+    are stored, for the forms that read a KV cache where it lies (the key blocks of
+    :mod:`flax_attn.core.key_blocks`): ``'BKSH'`` as ``(B*K, S, H)`` seen through a transpose
+    (:class:`flax_attn.KVCache`'s default layout), ``'BSKH'`` or None as given. The layers
+    declare their cache's layout around the attention over it; results do not depend on it."""
+    token = _KEYS_STORED.set(layout)
+    try:
+        yield
+    finally:
+        _KEYS_STORED.reset(token)
+
+
+def keys_stored_as() -> Optional[str]:
+    """The layout declared by :func:`keys_stored` around the attention being traced, or None."""
+    return _KEYS_STORED.get()
+
+
 def jit(fun, *, compiler_options: Optional[dict] = None, **jit_kwargs):
     """``jax.jit`` with this machine's XLA compile options, flax_attn told of them.
 

@@ -44,6 +44,7 @@ from jax import lax
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 from flax_attn.core import mask as mask_lib
+from flax_attn.core import tuning
 from flax_attn.layers.cache import ContextKV, KVCache, combined_mask, one_query_key_positions
 from flax_attn.layers.common import (ParamSpec, by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
                                      linear_params, norm, norm_params, rms_norm, scale_params, embed_params)
@@ -502,6 +503,7 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
     mask_key_positions, mask_segments = None, ()  # () = as key_positions / key_segments
     new_cache = None
     written = None  # how many leading cache slots hold tokens
+    in_place = False  # attending over the cache itself
     if cache is not None:
         if segment_ids is None:
             segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)
@@ -520,6 +522,7 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
             # The new keys are in their slots: attend over the cache itself (no copy); unwritten
             # slots have segment id -1, and the stored positions give causal and window masks.
             k, v = new_cache.keys(), new_cache.values()
+            in_place = True
             key_positions, key_segments = new_cache.positions, new_cache.segment_ids
             written = jnp.minimum(new_cache.length, new_cache.max_len)  # a ring fills from slot 0 too
             if T == 1 and (c.causal or c.window is not None):
@@ -552,14 +555,16 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
     # Llama 4's chunk rule: a query sees keys of its own chunk, position // chunk_size
     chunk = [] if c.chunk_size is None else [mask_lib.chunked(c.chunk_size)]
     mask = combined_mask(chunk, mask, written=written, batch=B)
-    out = dot_product_attention(
-        q, k, v, bias, mask,
-        scale=c.scale, is_causal=c.causal, local_window_size=c.window,
-        query_positions=positions, key_positions=mask_key_positions if positions is not None else None,
-        query_segment_ids=segment_ids if mask_segments is not None else None, key_segment_ids=mask_segments,
-        logit_softcap=c.logit_softcap, sinks=params["sinks"] if c.sinks else None, dropout_rate=c.dropout if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng, precision=precision, implementation=implementation,
-    )
+    with tuning.keys_stored(cache.layout if cache is not None and in_place else None):
+        out = dot_product_attention(
+            q, k, v, bias, mask,
+            scale=c.scale, is_causal=c.causal, local_window_size=c.window,
+            query_positions=positions, key_positions=mask_key_positions if positions is not None else None,
+            query_segment_ids=segment_ids if mask_segments is not None else None, key_segment_ids=mask_segments,
+            logit_softcap=c.logit_softcap, sinks=params["sinks"] if c.sinks else None,
+            dropout_rate=c.dropout if dropout_rng is not None else 0.0,
+            dropout_rng=dropout_rng, precision=precision, implementation=implementation,
+        )
     out = dense(params["o_proj"], out.reshape(B, T, N * H), precision)
     return out if cache is None else (out, new_cache)
 

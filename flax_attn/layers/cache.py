@@ -31,8 +31,11 @@ instead (a concatenation, as for any prefill that does not fit the ring).
 the attention matmuls read (``B`` and ``K`` merged into one axis so that no axis of size 1 makes
 XLA copy the cache around its in-place update when ``B == 1``); on CPU a decoding step then
 makes no copy of the cache. ``layout='BSKH'`` stores ``(B, S, K, H)``, the order of
-:func:`flax_attn.dot_product_attention`'s arguments, which the attention must transpose every
-step (``benchmarks/decode.py`` measures both). :meth:`KVCache.keys` and
+:func:`flax_attn.dot_product_attention`'s arguments: the key blocks
+(:mod:`flax_attn.core.key_blocks`) then cut and regroup the slots in use block by block
+however full the cache, where the plain pass would transpose all of it every step; still
+slower than ``'BKSH'`` once the cache is mostly full (``benchmarks/decode.py`` measures both).
+The layer declares the layout to the attention (:func:`flax_attn.core.tuning.keys_stored`). :meth:`KVCache.keys` and
 :meth:`KVCache.values` give the ``(B, S, K, H)`` view of either.
 
 **Dtype.** The cache holds keys in the dtype the layer computes them in (the result type of

@@ -1,5 +1,6 @@
 """Key blocks (``implementation='key_blocks'``): the key blocks up to the longest row's key/value
-length, skipped past it at run time, or one plain pass when more than half the keys are in use.
+length, skipped past it at run time; with keys lying as a 'BKSH' cache's, one plain pass
+when more than half of them are in use.
 
 The conformance suite holds it to the float64 reference wherever a call has lengths (mostly
 the plain-pass branch there: its lengths are long); here the lengths are short, so the blocks
@@ -70,20 +71,25 @@ def test_blocks_equal_the_plain_path_with_gradients(feature):
     np.testing.assert_array_equal(grads[1][:, 9:], 0.0)  # keys past every length get no gradient
 
 
-def test_forward_mode_vmap_and_both_branches():
+@pytest.mark.parametrize("stored", [None, "BKSH"])
+def test_forward_mode_vmap_and_both_branches(stored):
+    """Forward mode and vmap, with keys as given (blocks all the way: the last block of 4 is cut
+    back to keys 18..21) and declared to lie as a 'BKSH' cache's (blocks, then the plain pass
+    past half the keys: a cond, whose both branches run under vmap)."""
     q, k, v, _ = _inputs(1)
     run = lambda impl, n: lambda q, k, v: fa.dot_product_attention(q, k, v, key_value_seq_lengths=n,
                                                                  implementation=impl)
     tangents = tuple(jnp.ones_like(x) for x in (q, k, v))
-    for lengths in (LENGTHS, np.array([20, 3, 22], np.int32)):  # blocks; the plain pass (20 > 22 / 2)
-        got = jax.jvp(run(BLOCKS, lengths), (q, k, v), tangents)
-        want = jax.jvp(run("xla", lengths), (q, k, v), tangents)
-        for g, w in zip(got, want):
-            assert_close(g, w, np.float64, f"jvp, lengths {lengths}")
-    # vmapped over a stack of calls with their own lengths (each cond then runs both branches)
-    stack = np.stack([LENGTHS, np.array([20, 3, 22], np.int32)])
-    many = lambda impl: jax.vmap(lambda n: run(impl, n)(q, k, v))(stack)
-    assert_close(many(BLOCKS), many("xla"), np.float64, "vmap")
+    with tuning.keys_stored(stored):
+        for lengths in (LENGTHS, np.array([20, 3, 22], np.int32)):  # under half of the 22 keys; past half
+            got = jax.jvp(run(BLOCKS, lengths), (q, k, v), tangents)
+            want = jax.jvp(run("xla", lengths), (q, k, v), tangents)
+            for g, w in zip(got, want):
+                assert_close(g, w, np.float64, f"jvp, lengths {lengths}")
+        # vmapped over a stack of calls with their own lengths
+        stack = np.stack([LENGTHS, np.array([20, 3, 22], np.int32)])
+        many = lambda impl: jax.vmap(lambda n: run(impl, n)(q, k, v))(stack)
+        assert_close(many(BLOCKS), many("xla"), np.float64, "vmap")
 
 
 def test_under_jit_the_lengths_are_run_time_values():
@@ -171,6 +177,51 @@ def test_a_decoding_loop_over_a_large_cache_follows_the_plain_path():
     assert_close(blocks, plain, np.float32, "key blocks vs plain, per step")
     assert_close(plain, fa.Attention(config).apply(params, x, positions), np.float32, "decode vs the full pass")
 
+
+
+@pytest.mark.parametrize("layout", ["BSKH", "BKSH"])
+def test_a_cache_of_either_layout_is_cut_into_blocks_where_it_lies(layout):
+    """Decoding into a cache of 60 slots by key blocks of 8 (60 is no multiple of 8: the last
+    block is cut back to slots 52..59, the slots it shares with the one before blocked), up to a
+    full cache: the steps give the plain path's outputs. A 'BKSH' cache (declared by the layer)
+    takes the plain pass past half the slots; any other keys go by blocks all the way, each
+    block regrouped as it is cut: no transpose of the whole cache in the step."""
+    config = fa.AttentionConfig(d_model=16, num_heads=4, num_kv_heads=2, position="rope")
+    L = 60
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, L, 16)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(L), (2, L))
+    params = fa.Attention(config).init(jax.random.key(0), x[:, :4], positions[:, :4])
+    outs = {}
+    for impl in (KeyBlocks(block_k=8), "xla"):
+        layer = fa.Attention(config, implementation=impl)
+        apply = lambda cache, x, positions: layer.apply(params, x, positions, cache=cache)  # noqa: E731
+        step = jax.jit(apply)
+        cache = layer.init_cache(2, L, layout=layout)
+        out, cache = step(cache, x[:, :3], positions[:, :3])
+        pieces = [out]
+        for t in range(3, L):
+            out, cache = step(cache, x[:, t:t + 1], positions[:, t:t + 1])
+            pieces.append(out)
+        outs[str(impl)] = jnp.concatenate(pieces, axis=1)
+        if impl != "xla":
+            jaxpr = jax.make_jaxpr(apply)(cache, x[:, :1], positions[:, :1]).jaxpr
+            whole = [e for e in _equations(jaxpr) if e.primitive.name == "transpose"
+                     and L in e.invars[0].aval.shape]
+            assert bool(whole) == (layout == "BKSH"), whole  # BKSH: its (B*K, S, H) regrouped in place
+    blocks, plain = outs.values()
+    assert_close(blocks, plain, np.float32, f"{layout}: key blocks vs plain, per step")
+    assert_close(plain, fa.Attention(config).apply(params, x, positions), np.float32, "decode vs the full pass")
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (loops, conds, calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 ONE_ROW = {
     "lengths": dict(),
