@@ -230,12 +230,15 @@ ONE_ROW = {
 }
 
 
+@pytest.mark.parametrize("stored", [None, "BKSH"])
 @pytest.mark.parametrize("feature", list(ONE_ROW), ids=list(ONE_ROW))
-def test_one_row_units_sum_in_place_when_compiled_without_ynnpack(feature):
+def test_one_row_units_sum_in_place_when_compiled_without_ynnpack(feature, stored):
     """One query row per (batch row, key/value head) unit (multi-head decoding), traced for a
     program without YNNPACK's fusions (tuning.compiled_with): the blocks' logits and weighted
-    values are summed products, not matmuls; outputs, log-sum-exp and gradients are the plain
-    path's (float64). Traced without the declaration, the blocks keep their matmuls."""
+    values are summed products, not matmuls, over each block as cut ((B, c, K, H) keys as given)
+    or regrouped in place (keys declared to lie as a 'BKSH' cache's); outputs, log-sum-exp and
+    gradients are the plain path's (float64). Traced without the declaration, the blocks keep
+    their matmuls."""
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.standard_normal((B, 1, K, H)))
     k, v = (jnp.asarray(rng.standard_normal((B, S, K, H))) for _ in range(2))
@@ -249,11 +252,12 @@ def test_one_row_units_sum_in_place_when_compiled_without_ynnpack(feature):
 
     loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a)[0] * jnp.cos(jnp.arange(H)))  # noqa: E731
     dots = lambda: str(jax.make_jaxpr(f(BLOCKS))(q, k, v)).count("dot_general")  # noqa: E731
-    matmul_dots = dots()
-    with tuning.compiled_with(tuning.YNNPACK_OFF):
-        assert dots() == matmul_dots - 2  # the blocks' two matmuls; the plain-pass branch keeps its own
-        got = jax.jit(f(BLOCKS))(q, k, v)
-        grads = jax.jit(jax.grad(loss(BLOCKS), argnums=(0, 1, 2)))(q, k, v)
+    with tuning.keys_stored(stored):
+        matmul_dots = dots()
+        with tuning.compiled_with(tuning.YNNPACK_OFF):
+            assert dots() == matmul_dots - 2  # the blocks' two matmuls; a plain-pass branch keeps its own
+            got = jax.jit(f(BLOCKS))(q, k, v)
+            grads = jax.jit(jax.grad(loss(BLOCKS), argnums=(0, 1, 2)))(q, k, v)
     assert not tuning.ynnpack_fusions_off()  # the declaration ends with its block
     for g, w, what in zip(got, f("xla")(q, k, v), ("out", "lse")):
         assert_close(g, w, np.float64, f"{feature} {what}")
