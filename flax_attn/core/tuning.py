@@ -179,6 +179,9 @@ def keys_stored(layout: Optional[str]):
     :mod:`flax_attn.core.key_blocks`): ``'BKSH'`` as ``(B*K, S, H)`` seen through a transpose
     (:class:`flax_attn.KVCache`'s default layout), ``'BSKH'`` or None as given. The layers
     declare their cache's layout around the attention over it; results do not depend on it."""
+    from flax_attn import _checks
+
+    _checks.check_one_of("keys_stored layout", layout, (None, "BKSH", "BSKH"))
     token = _KEYS_STORED.set(layout)
     try:
         yield

@@ -132,3 +132,17 @@ def test_fa_jit_compiles_with_the_options_and_declares_them(monkeypatch):
         got, want = fa.jit(f, compiler_options=tuning.YNNPACK_OFF)(q, k, v), jax.jit(f)(q, k, v)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+
+
+def test_keys_stored_takes_a_layout_and_ends_with_its_block():
+    from flax_attn.core import tuning
+
+    with tuning.keys_stored("BKSH"):
+        assert tuning.keys_stored_as() == "BKSH"
+        with tuning.keys_stored(None):  # an attention over keys as given, inside
+            assert tuning.keys_stored_as() is None
+        assert tuning.keys_stored_as() == "BKSH"
+    assert tuning.keys_stored_as() is None
+    with pytest.raises(ValueError, match=r"keys_stored layout must be one of \[None, 'BKSH', 'BSKH'\], got 'bksh'"):
+        with tuning.keys_stored("bksh"):
+            pass
