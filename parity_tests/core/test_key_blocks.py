@@ -47,8 +47,16 @@ FEATURES = {
 }
 
 
+@pytest.fixture(params=[False, True], ids=["matmul", "block-diagonal"])
+def avx512(request, monkeypatch):
+    """Keys as given are read by block-diagonal queries on a CPU with AVX-512, by matmuls over
+    regrouped blocks without it: both forms, whatever this machine has."""
+    monkeypatch.setattr(tuning, "has_avx512", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
-def test_blocks_equal_the_plain_path_with_gradients(feature):
+def test_blocks_equal_the_plain_path_with_gradients(feature, avx512):
     q, k, v, bias = _inputs()
     kw = dict(FEATURES[feature])
     use_bias = kw.pop("bias", False)
@@ -72,10 +80,11 @@ def test_blocks_equal_the_plain_path_with_gradients(feature):
 
 
 @pytest.mark.parametrize("stored", [None, "BKSH"])
-def test_forward_mode_vmap_and_both_branches(stored):
-    """Forward mode and vmap, with keys as given (blocks all the way: the last block of 4 is cut
-    back to keys 18..21) and declared to lie as a 'BKSH' cache's (blocks, then the plain pass
-    past half the keys: a cond, whose both branches run under vmap)."""
+def test_forward_mode_vmap_and_both_branches(stored, avx512):
+    """Forward mode and vmap, with keys as given (by matmuls, blocks all the way: the last block
+    of 4 is cut back to keys 18..21; by block-diagonal queries, blocks then one pass over all
+    the keys past half of them) and declared to lie as a 'BKSH' cache's (blocks, then the plain
+    pass past half the keys). The choice is a cond, whose both branches run under vmap."""
     q, k, v, _ = _inputs(1)
     run = lambda impl, n: lambda q, k, v: fa.dot_product_attention(q, k, v, key_value_seq_lengths=n,
                                                                  implementation=impl)
@@ -180,12 +189,14 @@ def test_a_decoding_loop_over_a_large_cache_follows_the_plain_path():
 
 
 @pytest.mark.parametrize("layout", ["BSKH", "BKSH"])
-def test_a_cache_of_either_layout_is_cut_into_blocks_where_it_lies(layout):
+def test_a_cache_of_either_layout_is_cut_into_blocks_where_it_lies(layout, avx512):
     """Decoding into a cache of 60 slots by key blocks of 8 (60 is no multiple of 8: the last
     block is cut back to slots 52..59, the slots it shares with the one before blocked), up to a
     full cache: the steps give the plain path's outputs. A 'BKSH' cache (declared by the layer)
-    takes the plain pass past half the slots; any other keys go by blocks all the way, each
-    block regrouped as it is cut: no transpose of the whole cache in the step."""
+    takes the plain pass past half the slots. A 'BSKH' cache is never transposed whole: by
+    matmuls it goes by blocks all the way, each block regrouped as it is cut; by block-diagonal
+    queries (a CPU with AVX-512) its blocks are read as cut, ``(B, 8, K*H)``, and past half the
+    slots the whole cache in one pass, ``(B, 60, K*H)``, where it lies."""
     config = fa.AttentionConfig(d_model=16, num_heads=4, num_kv_heads=2, position="rope")
     L = 60
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, L, 16)), jnp.float32)
@@ -208,9 +219,31 @@ def test_a_cache_of_either_layout_is_cut_into_blocks_where_it_lies(layout):
             whole = [e for e in _equations(jaxpr) if e.primitive.name == "transpose"
                      and L in e.invars[0].aval.shape]
             assert bool(whole) == (layout == "BKSH"), whole  # BKSH: its (B*K, S, H) regrouped in place
+            read = {e.invars[1].aval.shape for e in _equations(jaxpr) if e.primitive.name == "dot_general"}
+            diagonal = layout == "BSKH" and avx512
+            assert ({(2, 8, 2 * 4), (2, L, 2 * 4)} <= read) == diagonal, read
     blocks, plain = outs.values()
     assert_close(blocks, plain, np.float32, f"{layout}: key blocks vs plain, per step")
     assert_close(plain, fa.Attention(config).apply(params, x, positions), np.float32, "decode vs the full pass")
+
+
+def test_block_diagonal_queries_only_while_their_columns_are_few(monkeypatch):
+    """Block-diagonal queries do K times the multiplications: on a CPU with AVX-512 keys as
+    given take them while K * G * T <= DIAGONAL_MAX_COLUMNS (16 heads of one token here), and
+    the regrouped blocks' matmuls past that (two tokens); both equal the plain path."""
+    from flax_attn.core import key_blocks
+    monkeypatch.setattr(tuning, "has_avx512", lambda: True)
+    rng = np.random.default_rng(7)
+    k, v = (jnp.asarray(rng.standard_normal((1, 64, 16, 8)), jnp.float32) for _ in range(2))
+    for T, diagonal in ((1, True), (2, False)):
+        assert (16 * T <= key_blocks.DIAGONAL_MAX_COLUMNS) == diagonal
+        q = jnp.asarray(rng.standard_normal((1, T, 16, 8)), jnp.float32)
+        run = lambda impl: lambda q, k, v: fa.dot_product_attention(  # noqa: E731
+            q, k, v, key_value_seq_lengths=np.array([20], np.int32), implementation=impl)
+        read = {e.invars[1].aval.shape for e in _equations(jax.make_jaxpr(run(KeyBlocks(block_k=8)))(q, k, v).jaxpr)
+                if e.primitive.name == "dot_general"}
+        assert ((1, 8, 16 * 8) in read) == diagonal, (T, read)
+        assert_close(run(KeyBlocks(block_k=8))(q, k, v), run("xla")(q, k, v), np.float32, f"T={T}")
 
 
 def _equations(jaxpr):
@@ -255,7 +288,9 @@ def test_one_row_units_sum_in_place_when_compiled_without_ynnpack(feature, store
     with tuning.keys_stored(stored):
         matmul_dots = dots()
         with tuning.compiled_with(tuning.YNNPACK_OFF):
-            assert dots() == matmul_dots - 2  # the blocks' two matmuls; a plain-pass branch keeps its own
+            summed_dots = dots()
+            assert summed_dots == (2 if stored else 0)  # a 'BKSH' cache's plain-pass branch keeps its matmuls
+            assert matmul_dots > summed_dots
             got = jax.jit(f(BLOCKS))(q, k, v)
             grads = jax.jit(jax.grad(loss(BLOCKS), argnums=(0, 1, 2)))(q, k, v)
     assert not tuning.ynnpack_fusions_off()  # the declaration ends with its block
