@@ -24,17 +24,15 @@ become a block-diagonal ``(K*G*T, K*H)`` matrix, unit (b, k)'s rows over its own
 columns and zeros elsewhere, so one matmul gives every unit's logits against a block as cut
 (no regrouping copy), and past half the keys against all of them in one pass with no copy at
 all; the values' matmul gives ``(K*G*T, K*Hv)``, of which each unit keeps its own head's
-columns. It does K times the multiplications of the per-unit matmuls, so it is taken while
-``K*G*T <= DIAGONAL_MAX_COLUMNS`` (16: a multi-head decoding step of up to 16 heads, grouped
-queries of up to 16 rows in all). A decoding step of a 768-wide, 12-head float32 layer with
+columns (:func:`flax_attn.core.numerics.reads_heads_in_place`). It does K times the
+multiplications of the per-unit matmuls, so it is taken while ``K*G*T <=
+DIAGONAL_MAX_COLUMNS`` (16: a multi-head decoding step of up to 16 heads, grouped queries of up
+to 16 rows in all). A decoding step of a 768-wide, 12-head float32 layer with
 a ``'BSKH'`` cache on a 2-core AMD EPYC of family 26 (AVX-512), before / after, in turns in one
 process (ms): batch 1 / 8 after 1,024 tokens 0.98 / 0.75 and 4.98 / 3.27; after 8,192 tokens
 4.97 / 2.72 and 27.4 / 18.9; 1,024 of 8,192 slots 1.40 / 1.30 and 5.00 / 4.51; 2 key/value
-heads, batch 8, 8,192 tokens 5.55 / 4.36 (batch 1, 1,024 tokens 0.33 / 0.37). A non-finite
-key in one head's columns then makes every head's logit at its slot NaN (0 x inf), where the
-per-unit matmuls keep it to its own head (values are not mixed: each unit's columns are
-taken, not summed); past the lengths keys are zeroed or promised finite as on every path.
-CPUs without AVX-512 keep the regrouped blocks (not measured there).
+heads, batch 8, 8,192 tokens 5.55 / 4.36 (batch 1, 1,024 tokens 0.33 / 0.37). CPUs without
+AVX-512 keep the regrouped blocks (not measured there).
 
 **Why.** The plain path reads every key of the cache whatever its fill. On a 2-core AMD EPYC a
 decoding step of a 768-wide, 12-head float32 layer with 1,100 tokens in an 8,192-slot cache
@@ -78,7 +76,6 @@ from flax_attn.core.xla import XLA
 
 BLOCK_L2S = 3  # keys + values of one block over all units fit this many per-core L2 caches (see KeyBlocks.block_k)
 MIN_BLOCK = 128
-DIAGONAL_MAX_COLUMNS = 16  # block-diagonal queries for keys not in units order while K * G * T <= this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +159,7 @@ class KeyBlocks(Implementation):
         U, R = B * K, G * T
         if call.platform == "cpu" and R == 1 and tuning.ynnpack_fusions_off():
             form = "summed"
-        elif (call.platform == "cpu" and not stored_as_units and K * R <= DIAGONAL_MAX_COLUMNS
-              and tuning.has_avx512()):
+        elif numerics.reads_heads_in_place(call):
             form = "diagonal"
         else:
             form = "matmul"
@@ -180,8 +176,7 @@ class KeyBlocks(Implementation):
                     regroup = {"summed": lambda x: x, "diagonal": lambda x: x.reshape(B, c, -1)}.get(form, units)
                     cut = lambda start: tuple(regroup(lax.dynamic_slice_in_dim(x, start, c, axis=1)) for x in (key, value))
                 if form == "diagonal":  # (B, K*R, K*H): unit (b, k)'s rows r at k*R + r, over its columns k*H ...
-                    eye = jnp.eye(K, dtype=q.dtype)
-                    q = (q.reshape(B, K, R, 1, H) * eye.reshape(1, K, 1, K, 1)).reshape(B, K * R, K * H)
+                    q = numerics.diagonal_queries(q.reshape(B, K, R, H))
                 acc = call.acc_dtype
                 blocks = -(-in_use // c)
                 rows = jnp.arange(B, dtype=jnp.int32)
@@ -208,10 +203,8 @@ class KeyBlocks(Implementation):
                         elif form == "summed":  # (U, 1, c) x (U, c, Hv): summed over the block's keys where they lie
                             pv = jnp.sum(p[..., None] * vj.astype(acc)[:, None], axis=2)
                         elif form == "diagonal":  # (B, K*R, c) x (B, c, K*Hv), then each unit's own columns
-                            every = jnp.einsum("bnc,bcd->bnd", p.reshape(B, K * R, c).astype(vj.dtype), vj,
-                                               precision=call.precision, preferred_element_type=acc)
-                            every = every.reshape(B, K, R, K, Hv)
-                            pv = jnp.stack([every[:, k, :, k] for k in range(K)], axis=1).reshape(U, R, Hv)
+                            pv = numerics.diagonal_values(p.reshape(B, K * R, c), vj, K, call.precision, acc)
+                            pv = pv.reshape(U, R, Hv)
                         else:  # the one-row matmul, not the CPU two-row form: blocks are shorter than ONE_ROW_PAD_KEYS
                             pv = numerics.weighted_values(p, vj, call.precision, acc)
                         return m_new, l * rescale + jnp.sum(p, axis=-1, keepdims=True), o * rescale + pv
@@ -243,7 +236,7 @@ def _logits(call, mask, q, kj, rows, start, c: int, G: int, T: int, form: str):
     ``(B, c, K*H)``."""
     summed = form == "summed"
     if form == "diagonal":
-        raw = jnp.einsum("bnd,bcd->bnc", q, kj, precision=call.precision, preferred_element_type=call.acc_dtype)
+        raw = numerics.diagonal_logits(q, kj, call.precision, call.acc_dtype)
         raw = raw.reshape(raw.shape[0] * raw.shape[1] // (G * T), G * T, c)
     elif summed and kj.ndim == 4:  # a block as cut, (B, c, K, H): one row per unit
         acc = call.acc_dtype

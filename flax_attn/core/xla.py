@@ -4,7 +4,10 @@ Grouped-query attention without repeating keys: the G query heads of each key/va
 folded into its query axis, and batch and key/value heads into one axis U = B*K:
 ``URH,USH->URS`` with R = G*T (MHA: G = 1, MQA: K = 1). Keys and values are read as
 ``(B*K, S, H)``: a KV cache stored that way (``KVCache(layout='BKSH')``) is read in place, and no
-axis of size 1 (a batch of one) makes XLA copy a cache around its in-place update.
+axis of size 1 (a batch of one) makes XLA copy a cache around its in-place update. On a CPU
+with AVX-512 a decoding step over keys in any other order reads them where they lie instead,
+as ``(B, S, K*H)`` rows against block-diagonal queries
+(:func:`flax_attn.core.numerics.reads_heads_in_place`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,12 @@ class XLA(Implementation):
         U = B * K
         q = numerics.group_queries(query, K).reshape(U, G * T, H)
         units = lambda x: jnp.swapaxes(x, 1, 2).reshape(U, S, x.shape[-1])  # (B, S, K, .) -> (B*K, S, .)
-        raw = numerics.key_logits(q, units(key), call.precision, acc, call.platform)
+        in_place = numerics.reads_heads_in_place(call)  # (B, S, K*H) rows against block-diagonal queries
+        if in_place:
+            qd = numerics.diagonal_queries(q.reshape(B, K, G * T, H))
+            raw = numerics.diagonal_logits(qd, key.reshape(B, S, K * H), call.precision, acc)
+        else:
+            raw = numerics.key_logits(q, units(key), call.precision, acc, call.platform)
         bias = None if call.mask.bias is None else numerics.group_heads(call.mask.bias, K)
         logits = numerics.finish_logits(call, raw.reshape(B, K, G, T, S), bias)
         allowed = call.mask.dense_mask()
@@ -35,8 +43,12 @@ class XLA(Implementation):
         weights, lse = numerics.softmax_parts(logits, allowed)
         if call.dropout_rate > 0.0:
             weights = numerics.dropout(weights, call.dropout_rate, dropout_rng)
-        out = numerics.weighted_values(weights.reshape(U, G * T, S), units(value), call.precision, acc,
-                                       call.platform)
+        if in_place:
+            out = numerics.diagonal_values(weights.reshape(B, K * G * T, S), value.reshape(B, S, -1), K,
+                                           call.precision, acc)
+        else:
+            out = numerics.weighted_values(weights.reshape(U, G * T, S), units(value), call.precision, acc,
+                                           call.platform)
         out = numerics.ungroup(out.reshape(B, K, G, T, -1)).astype(query.dtype)
         return Result(
             out=out,

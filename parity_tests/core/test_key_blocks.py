@@ -237,12 +237,12 @@ def test_block_diagonal_queries_only_while_their_columns_are_few(monkeypatch):
     """Block-diagonal queries do K times the multiplications: on a CPU with AVX-512 keys as
     given take them while K * G * T <= DIAGONAL_MAX_COLUMNS (16 heads of one token here), and
     the regrouped blocks' matmuls past that (two tokens); both equal the plain path."""
-    from flax_attn.core import key_blocks
+    from flax_attn.core import numerics
     monkeypatch.setattr(tuning, "has_avx512", lambda: True)
     rng = np.random.default_rng(7)
     k, v = (jnp.asarray(rng.standard_normal((1, 64, 16, 8)), jnp.float32) for _ in range(2))
     for T, diagonal in ((1, True), (2, False)):
-        assert (16 * T <= key_blocks.DIAGONAL_MAX_COLUMNS) == diagonal
+        assert (16 * T <= numerics.DIAGONAL_MAX_COLUMNS) == diagonal
         q = jnp.asarray(rng.standard_normal((1, T, 16, 8)), jnp.float32)
         run = lambda impl: lambda q, k, v: fa.dot_product_attention(  # noqa: E731
             q, k, v, key_value_seq_lengths=np.array([20], np.int32), implementation=impl)

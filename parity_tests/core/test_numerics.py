@@ -199,6 +199,55 @@ def test_weighted_values_is_the_matmul(rows, platform, avx512, monkeypatch):
         assert max_rel_error(g, e) < 1e-12
 
 
+HEADS_IN_PLACE = {  # (T, N, K): whether a CPU with AVX-512 reads (B, S, K, H) keys in place
+    "mha-1-token": ((1, 6, 3), True),
+    "gqa-2-tokens": ((2, 8, 2), True),          # K * G * T = 2 * 4 * 2 = 16
+    "gqa-3-tokens": ((3, 8, 2), False),         # 24 columns: K times the multiplications is too many
+    "mqa": ((1, 4, 1), False),                  # one key/value head: already in units order
+}
+
+
+@pytest.mark.parametrize("case", list(HEADS_IN_PLACE), ids=list(HEADS_IN_PLACE))
+@pytest.mark.parametrize("stored", [None, "BKSH"])
+@pytest.mark.parametrize("avx512", [True, False])
+def test_plain_path_reads_heads_in_place_on_avx512(case, stored, avx512, monkeypatch):
+    """The plain path reads (B, S, K, H) keys and values where they lie, as (B, S, K*H) rows
+    against block-diagonal queries, on a CPU with AVX-512 while K * G * T <= 16 and the keys
+    are not declared to lie as a 'BKSH' cache's (then it regroups them, reading that order in
+    place). Either way: outputs, log-sum-exp, weights and gradients of the regrouped form
+    (float64), under a padding mask, a bias and a softcap."""
+    from flax_attn.core import tuning
+    (T, N, K), diagonal = HEADS_IN_PLACE[case]
+    monkeypatch.setattr(tuning, "has_avx512", lambda: avx512)
+    rng = np.random.default_rng(8)
+    B, S, H = 2, 24, 4
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)))
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, H))) for _ in range(2))
+    bias = jnp.asarray(rng.standard_normal((B, N, T, S)))
+    kw = dict(key_value_seq_lengths=np.array([24, 9], np.int32), logit_softcap=3.0, implementation="xla")
+
+    def run(q, k, v, bias):
+        with tuning.keys_stored(stored):
+            out, lse, w = fa.dot_product_attention(q, k, v, bias, return_residual=True, return_weights=True, **kw)
+        return out, jnp.where(jnp.isfinite(lse), lse, 0.0), w
+
+    def regrouped(q, k, v, bias):
+        with monkeypatch.context() as m:
+            m.setattr(tuning, "has_avx512", lambda: False)
+            return run(q, k, v, bias)
+
+    reads = {e.invars[1].aval.shape for e in jax.make_jaxpr(run)(q, k, v, bias).jaxpr.eqns
+             if e.primitive.name == "dot_general"}
+    if K > 1:  # with one key/value head (B, S, H) is both orders
+        assert ((B, S, K * H) in reads) == (diagonal and avx512 and stored is None), reads
+    for got, want, what in zip(run(q, k, v, bias), regrouped(q, k, v, bias), ("out", "lse", "weights")):
+        assert max_rel_error(got, want) < 1e-12, what
+    loss = lambda f: lambda *a: jnp.sum(f(*a)[0] * jnp.cos(jnp.arange(H)))  # noqa: E731
+    grads = jax.grad(loss(run), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, w, what in zip(grads, jax.grad(loss(regrouped), argnums=(0, 1, 2, 3))(q, k, v, bias), "qkvb"):
+        assert max_rel_error(g, w) < 1e-12, f"d{what}"
+
+
 @pytest.mark.parametrize("rows", [1, 3, 17, 256])
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_key_logits_is_the_matmul(rows, platform):
