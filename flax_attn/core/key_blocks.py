@@ -164,67 +164,63 @@ class KeyBlocks(Implementation):
         else:
             form = "matmul"
 
-        def by_blocks(c):
-            def run(query, key, value):
-                q = numerics.group_queries(query, K).reshape(U, R, H)
-                units = lambda x: jnp.swapaxes(x, 1, 2).reshape(U, x.shape[1], x.shape[-1])  # (B, s, K, .) -> (B*K, s, .)
-                as_cut = form == "summed" and not stored_as_units  # products summed over each block as cut, (B, c, K, .)
-                if stored_as_units:  # regrouped in place, then cut
-                    ku, vu = units(key), units(value)
-                    cut = lambda start: tuple(lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in (ku, vu))
-                else:  # cut as given (and regrouped in the same copy): the keys are not transposed whole
-                    regroup = {"summed": lambda x: x, "diagonal": lambda x: x.reshape(B, c, -1)}.get(form, units)
-                    cut = lambda start: tuple(regroup(lax.dynamic_slice_in_dim(x, start, c, axis=1)) for x in (key, value))
-                if form == "diagonal":  # (B, K*R, K*H): unit (b, k)'s rows r at k*R + r, over its columns k*H ...
-                    q = numerics.diagonal_queries(q.reshape(B, K, R, H))
-                acc = call.acc_dtype
-                blocks = -(-in_use // c)
-                rows = jnp.arange(B, dtype=jnp.int32)
+        def by_blocks(query, key, value):
+            q = numerics.group_queries(query, K).reshape(U, R, H)
+            units = lambda x: jnp.swapaxes(x, 1, 2).reshape(U, x.shape[1], x.shape[-1])  # (B, s, K, .) -> (B*K, s, .)
+            as_cut = form == "summed" and not stored_as_units  # products summed over each block as cut, (B, c, K, .)
+            if stored_as_units:  # regrouped in place, then cut
+                ku, vu = units(key), units(value)
+                cut = lambda start: tuple(lax.dynamic_slice_in_dim(x, start, c, axis=1) for x in (ku, vu))
+            else:  # cut as given (and regrouped in the same copy): the keys are not transposed whole
+                regroup = {"summed": lambda x: x, "diagonal": lambda x: x.reshape(B, c, -1)}.get(form, units)
+                cut = lambda start: tuple(regroup(lax.dynamic_slice_in_dim(x, start, c, axis=1)) for x in (key, value))
+            if form == "diagonal":  # (B, K*R, K*H): unit (b, k)'s rows r at k*R + r, over its columns k*H ...
+                q = numerics.diagonal_queries(q.reshape(B, K, R, H))
+            acc = call.acc_dtype
+            blocks = -(-in_use // c)
+            rows = jnp.arange(B, dtype=jnp.int32)
 
-                def visit(state, j):
-                    def step(state):
-                        m, l, o = state
-                        # block j holds keys [j c, j c + c); where that would pass S (S not a multiple
-                        # of c) it is cut at [S - c, S) and the keys before j c, already visited, blocked
-                        first = j * c
-                        start = jnp.minimum(first, S - c) if S % c else first
-                        kj, vj = cut(start)
-                        s, allowed = _logits(call, mask, q, kj, rows, start, c, G, T, form)
-                        if S % c:
-                            allowed = allowed & (start + jnp.arange(c) >= first)
-                        s = jnp.where(allowed, s, -jnp.inf)
-                        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-                        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing allowed yet
-                        p = jnp.exp(s - shift)
-                        rescale = jnp.exp(m - shift)
-                        if as_cut:  # (B, c, K, 1) x (B, c, K, Hv), summed over the block's keys
-                            w = jnp.swapaxes(p.reshape(B, K, c), 1, 2)[..., None]
-                            pv = jnp.sum(w * vj.astype(acc), axis=1).reshape(U, 1, Hv)
-                        elif form == "summed":  # (U, 1, c) x (U, c, Hv): summed over the block's keys where they lie
-                            pv = jnp.sum(p[..., None] * vj.astype(acc)[:, None], axis=2)
-                        elif form == "diagonal":  # (B, K*R, c) x (B, c, K*Hv), then each unit's own columns
-                            pv = numerics.diagonal_values(p.reshape(B, K * R, c), vj, K, call.precision, acc)
-                            pv = pv.reshape(U, R, Hv)
-                        else:  # the one-row matmul, not the CPU two-row form: blocks are shorter than ONE_ROW_PAD_KEYS
-                            pv = numerics.weighted_values(p, vj, call.precision, acc)
-                        return m_new, l * rescale + jnp.sum(p, axis=-1, keepdims=True), o * rescale + pv
-                    return lax.cond(j < blocks, step, lambda state: state, state), None
+            def visit(state, j):
+                def step(state):
+                    m, l, o = state
+                    # block j holds keys [j c, j c + c); where that would pass S (S not a multiple
+                    # of c) it is cut at [S - c, S) and the keys before j c, already visited, blocked
+                    first = j * c
+                    start = jnp.minimum(first, S - c) if S % c else first
+                    kj, vj = cut(start)
+                    s, allowed = _logits(call, mask, q, kj, rows, start, c, G, T, form)
+                    if S % c:
+                        allowed = allowed & (start + jnp.arange(c) >= first)
+                    s = jnp.where(allowed, s, -jnp.inf)
+                    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+                    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing allowed yet
+                    p = jnp.exp(s - shift)
+                    rescale = jnp.exp(m - shift)
+                    if as_cut:  # (B, c, K, 1) x (B, c, K, Hv), summed over the block's keys
+                        w = jnp.swapaxes(p.reshape(B, K, c), 1, 2)[..., None]
+                        pv = jnp.sum(w * vj.astype(acc), axis=1).reshape(U, 1, Hv)
+                    elif form == "summed":  # (U, 1, c) x (U, c, Hv): summed over the block's keys where they lie
+                        pv = jnp.sum(p[..., None] * vj.astype(acc)[:, None], axis=2)
+                    elif form == "diagonal":  # (B, K*R, c) x (B, c, K*Hv), then each unit's own columns
+                        pv = numerics.diagonal_values(p.reshape(B, K * R, c), vj, K, call.precision, acc)
+                        pv = pv.reshape(U, R, Hv)
+                    else:  # the one-row matmul, not the CPU two-row form: blocks are shorter than ONE_ROW_PAD_KEYS
+                        pv = numerics.weighted_values(p, vj, call.precision, acc)
+                    return m_new, l * rescale + jnp.sum(p, axis=-1, keepdims=True), o * rescale + pv
+                return lax.cond(j < blocks, step, lambda state: state, state), None
 
-                start = (jnp.full((U, R, 1), -jnp.inf, acc), jnp.zeros((U, R, 1), acc), jnp.zeros((U, R, Hv), acc))
-                (m, l, o), _ = lax.scan(visit, start, jnp.arange(-(-S // c), dtype=jnp.int32))
-                some = l > 0
-                o = jnp.where(some, o / jnp.where(some, l, 1.0), 0.0)
-                lse = jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
-                back = lambda x: numerics.ungroup(x.reshape(B, K, G, T, x.shape[-1]))
-                return back(o).astype(query.dtype), back(lse)[..., 0]
-            return run
+            start = (jnp.full((U, R, 1), -jnp.inf, acc), jnp.zeros((U, R, 1), acc), jnp.zeros((U, R, Hv), acc))
+            (m, l, o), _ = lax.scan(visit, start, jnp.arange(-(-S // c), dtype=jnp.int32))
+            some = l > 0
+            o = jnp.where(some, o / jnp.where(some, l, 1.0), 0.0)
+            lse = jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+            back = lambda x: numerics.ungroup(x.reshape(B, K, G, T, x.shape[-1]))
+            return back(o).astype(query.dtype), back(lse)[..., 0]
 
-        if stored_as_units:  # past half the keys, one pass over the cache where it lies is cheaper
-            out, lse = lax.cond(2 * in_use > S, all_keys, by_blocks(c), query, key, value)
-        elif form == "diagonal":  # past half the keys, one block-diagonal pass over them where they lie
-            out, lse = lax.cond(2 * in_use > S, by_blocks(S), by_blocks(c), query, key, value)
+        if stored_as_units or form == "diagonal":  # past half the keys, one pass where they lie is cheaper
+            out, lse = lax.cond(2 * in_use > S, all_keys, by_blocks, query, key, value)
         else:  # the plain pass would transpose all the keys: blocks copy only those in use
-            out, lse = by_blocks(c)(query, key, value)
+            out, lse = by_blocks(query, key, value)
         return Result(out=out, lse=lse if call.return_residual else None)
 
 
