@@ -149,8 +149,7 @@ class KeyBlocks(Implementation):
         mask = call.mask
         in_use = jnp.max(jnp.minimum(mask.kv_lengths, S))  # keys at or past this are blocked for every row
         plain = dataclasses.replace(call, return_residual=True)
-        # (B, S, K, H) keys lie in (B*K, S, H) order when so declared (a 'BKSH' cache), or with K = 1
-        stored_as_units = K == 1 or tuning.keys_stored_as() == "BKSH"
+        stored_as_units = numerics.keys_in_units_order(K)
 
         def all_keys(query, key, value):
             result = XLA()(plain, query, key, value, None)

@@ -291,6 +291,12 @@ DIAGONAL_MAX_COLUMNS = 16
 head (``K * G * T``) are at most this: they do K times the multiplications."""
 
 
+def keys_in_units_order(K: int) -> bool:
+    """Whether ``(B, S, K, H)`` keys lie in ``(B*K, S, H)`` order: one key/value head, or
+    declared so (a ``'BKSH'`` cache, :func:`flax_attn.core.tuning.keys_stored`)."""
+    return K == 1 or tuning.keys_stored_as() == "BKSH"
+
+
 def reads_heads_in_place(call) -> bool:
     """Whether keys and values given as ``(B, S, K, H)`` are read where they lie, as ``(B, S,
     K*H)`` rows against block-diagonal queries (:func:`diagonal_queries`), instead of regrouped
@@ -304,8 +310,8 @@ def reads_heads_in_place(call) -> bool:
     non-finite key in one head's columns makes every head's logit at its slot NaN (0 x inf),
     where the regrouped matmuls keep it to its own head; values are not mixed (each unit's
     columns are taken, not summed). Not measured on CPUs without AVX-512, which regroup."""
-    return (call.platform == "cpu" and call.K > 1 and call.K * call.G * call.T <= DIAGONAL_MAX_COLUMNS
-            and tuning.keys_stored_as() != "BKSH" and tuning.has_avx512())
+    return (call.platform == "cpu" and not keys_in_units_order(call.K)
+            and call.K * call.G * call.T <= DIAGONAL_MAX_COLUMNS and tuning.has_avx512())
 
 
 def diagonal_queries(queries):

@@ -176,7 +176,9 @@ _KEYS_STORED: contextvars.ContextVar = contextvars.ContextVar("flax_attn_keys_st
 def keys_stored(layout: Optional[str]):
     """Declares, while attention is traced, how the ``(B, S, K, H)`` keys and values it is given
     are stored, for the forms that read a KV cache where it lies (the key blocks of
-    :mod:`flax_attn.core.key_blocks`): ``'BKSH'`` as ``(B*K, S, H)`` seen through a transpose
+    :mod:`flax_attn.core.key_blocks`, and the plain path's block-diagonal queries for keys not
+    in that order, :func:`flax_attn.core.numerics.reads_heads_in_place`): ``'BKSH'`` as
+    ``(B*K, S, H)`` seen through a transpose
     (:class:`flax_attn.KVCache`'s default layout), ``'BSKH'`` or None as given. The layers
     declare their cache's layout around the attention over it; results do not depend on it."""
     from flax_attn import _checks

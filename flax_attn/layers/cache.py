@@ -33,7 +33,8 @@ XLA copy the cache around its in-place update when ``B == 1``); on CPU a decodin
 makes no copy of the cache. ``layout='BSKH'`` stores ``(B, S, K, H)``, the order of
 :func:`flax_attn.dot_product_attention`'s arguments: the key blocks
 (:mod:`flax_attn.core.key_blocks`) then cut and regroup the slots in use block by block
-however full the cache, where the plain pass would transpose all of it every step; still
+however full the cache, where the plain pass would transpose all of it every step (on a CPU
+with AVX-512 both read it where it lies instead, against block-diagonal queries); still
 slower than ``'BKSH'`` once the cache is mostly full (``benchmarks/decode.py`` measures both).
 The layer declares the layout to the attention (:func:`flax_attn.core.tuning.keys_stored`). :meth:`KVCache.keys` and
 :meth:`KVCache.values` give the ``(B, S, K, H)`` view of either.
