@@ -141,7 +141,6 @@ def dot_product_attention(
     if call.T == 0 or call.S == 0:
         result = _empty(call)
     else:
-        query, key, value = _drop_invisible(call, query, key, value)
         result = _run(impl, implementation is None, call, query, key, value, dropout_rng)
     if call.sinks is not None:
         out, lse, weights = numerics.apply_sinks(call.sinks, result.out, result.lse, result.weights)
@@ -158,7 +157,8 @@ def _run(impl, automatic: bool, call, query, key, value, dropout_rng) -> registr
     the same call over default positions would choose another implementation (query blocks on
     CPU, which find each block's keys at trace time), that one wherever the positions are the
     default ones shifted (:func:`shifted_default_positions`), chosen at run time."""
-    run = lambda impl, call: impl(call, query, key, value, dropout_rng)  # noqa: E731
+    run = lambda impl, call: impl(call, *_drop_invisible(call, query, key, value, impl.zeroes_blocked_keys),  # noqa: E731
+                                  dropout_rng)
     m = call.mask
     if (not automatic or (m.q_positions is None and m.k_positions is None) or not (m.uses_positions or m.chunk)
             or m.mask_mods or m.score_mod is not None):  # a user's rule may read the positions themselves
@@ -188,11 +188,13 @@ def shifted_default_positions(mask: Mask, T: int, S: int):
     return same
 
 
-def _drop_invisible(call, query, key, value):
+def _drop_invisible(call, query, key, value, keys_zeroed_by_impl: bool = False):
     """Zero the keys, values and queries that no pair may use, so that garbage there (NaN, Inf
-    in padding) cannot leak through ``0 * NaN``; their gradients are zero."""
+    in padding) cannot leak through ``0 * NaN``; their gradients are zero. Keys and values are
+    left to an implementation that zeroes what it reads itself (``keys_zeroed_by_impl``,
+    :attr:`flax_attn.core.registry.Implementation.zeroes_blocked_keys`)."""
     keys, queries = call.mask.key_visible(), call.mask.query_visible()
-    if keys is not None:
+    if keys is not None and not keys_zeroed_by_impl:
         keep = keys[:, :, None, None]
         key, value = jnp.where(keep, key, 0), jnp.where(keep, value, 0)
     if queries is not None:

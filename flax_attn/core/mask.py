@@ -522,9 +522,10 @@ def segments(query_segment_ids, key_segment_ids) -> Mask:
 def lengths(query_seq_lengths=None, key_value_seq_lengths=None, *, finite_past_lengths: bool = False) -> Mask:
     """Per-sequence lengths ``(B,)``: rows / columns past them are blocked.
 
-    Keys and values past ``key_value_seq_lengths`` are zeroed before attending, so that NaN or
-    Inf there cannot leak (a pass over them). ``finite_past_lengths=True`` promises that they
-    hold finite values, as a KV cache's unwritten slots do (zeros): they are then only blocked.
+    Keys and values past ``key_value_seq_lengths`` are zeroed, so that NaN or Inf there cannot
+    leak: before attending (a pass over them), or by the key blocks in each block they visit.
+    ``finite_past_lengths=True`` promises that they hold finite values, as a KV cache's
+    unwritten slots do (zeros): they are then only blocked.
     Either way implementations may skip the key blocks past the longest length
     (``implementation='key_blocks'``: a decoding step's cost follows the fill of its cache).
     """

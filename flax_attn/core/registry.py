@@ -38,6 +38,11 @@ class Implementation:
     """Base class: serves nothing unless told otherwise. Subclasses are frozen dataclasses."""
 
     name: str = "?"
+    # True: keys and values that no query may use (past the lengths, negative segment ids, an
+    # all-False column of the mask) cannot reach the result even if they hold NaN or Inf, because
+    # the implementation zeroes what it reads of them itself; the caller's zeroing pass over every
+    # key and value (a read and a write of the whole key/value arrays) is then skipped
+    zeroes_blocked_keys: bool = False
 
     def supports(self, call) -> Optional[str]:
         return None

@@ -133,6 +133,45 @@ def test_finite_past_lengths_skips_the_zeroing_and_nan_needs_it():
     assert call.mask.key_visible() is None and describe(q, k, v, key_value_seq_lengths=lengths).mask.key_visible() is not None
 
 
+@pytest.mark.parametrize("form", ["blocks", "one-row-summed"])
+@pytest.mark.parametrize("stored", [None, "BKSH"])
+def test_nan_past_the_lengths_is_zeroed_block_by_block(form, stored, avx512):
+    """Garbage past the lengths and under negative key segment ids (NaN, Inf) in keys and
+    values: the key blocks zero what they read of it in each visited block (matmuls over
+    regrouped blocks, block-diagonal queries, or products summed in place), so outputs and
+    gradients equal those of clean inputs, which equal the plain path's; and no zeroing pass
+    over all the keys runs before them (a read and a write of the whole cache)."""
+    rng = np.random.default_rng(7)
+    summed = form == "one-row-summed"  # one query row per unit: a query head per key/value head, one token
+    rows, heads = (1, K) if summed else (T, N)
+    q = jnp.asarray(rng.standard_normal((B, rows, heads, H)))
+    k, v = (rng.standard_normal((B, S, K, H)) for _ in range(2))
+    seg = np.zeros((B, S), np.int32)
+    seg[0, 3] = -1  # a blocked key inside row 0's length
+    blocked = (np.arange(S)[None] >= LENGTHS[:, None]) | (seg < 0)
+    dirty_k, dirty_v = k.copy(), v.copy()
+    dirty_k[blocked], dirty_v[blocked] = np.nan, np.inf
+    kw = dict(key_value_seq_lengths=LENGTHS, key_segment_ids=seg, query_segment_ids=np.zeros((B, rows), np.int32))
+    f = lambda impl: lambda q, k, v: fa.dot_product_attention(q, k, v, implementation=impl, **kw)  # noqa: E731
+    loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a) * jnp.cos(jnp.arange(H)))  # noqa: E731
+    run = lambda *a: (f(BLOCKS)(*a), jax.grad(loss(BLOCKS), argnums=(0, 1, 2))(*a))  # noqa: E731
+    with tuning.keys_stored(stored), tuning.compiled_with(tuning.YNNPACK_OFF if summed else {}):
+        clean = jax.jit(run)(q, jnp.asarray(k), jnp.asarray(v))
+        dirty = jax.jit(run)(q, jnp.asarray(dirty_k), jnp.asarray(dirty_v))
+        jaxpr = jax.make_jaxpr(f(BLOCKS))(q, jnp.asarray(k), jnp.asarray(v))
+    whole = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name in ("select_n", "select")
+             and any(getattr(x.aval, "shape", None) == k.shape for x in e.invars)]
+    assert not whole, "the keys or values were zeroed whole before the blocks"
+    dots = sum(e.primitive.name == "dot_general" for e in _equations(jaxpr.jaxpr))
+    assert (dots == 0) == summed, f"{dots} matmuls: the {form} form did not run"
+    for what, a, b in zip(("out", "dq", "dk", "dv"), (dirty[0], *dirty[1]), (clean[0], *clean[1])):
+        assert np.isfinite(np.asarray(a)).all(), f"{what} is not finite"
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what} differs from the clean run")
+    assert_close(clean[0], f("xla")(q, jnp.asarray(k), jnp.asarray(v)), np.float64, "clean output")
+    for g, w, what in zip(clean[1], jax.grad(loss("xla"), argnums=(0, 1, 2))(q, jnp.asarray(k), jnp.asarray(v)), "qkv"):
+        assert_close(g, w, np.float64, f"d{what}")
+
+
 def test_automatic_choice_and_refusals():
     def call(S, T=1, platform="cpu", lengths=True, **kw):
         q = jax.ShapeDtypeStruct((8, T, 12, 64), jnp.float32)
@@ -262,6 +301,8 @@ def _equations(jaxpr):
                 if hasattr(inner, "eqns"):
                     yield from _equations(inner)
 
+# a KV cache's lengths: the slots past them hold zeros, so the plain pass needs no zeroing first
+FINITE = M.lengths(key_value_seq_lengths=LENGTHS, finite_past_lengths=True)
 ONE_ROW = {
     "lengths": dict(),
     "causal-window-softcap": dict(is_causal=True, local_window_size=(3, 0), query_positions=Q_POS[:, -1:],
@@ -284,7 +325,7 @@ def test_one_row_units_sum_in_place_when_compiled_without_ynnpack(feature, store
 
     def f(impl):
         def run(q, k, v):
-            out, lse = fa.dot_product_attention(q, k, v, key_value_seq_lengths=LENGTHS, return_residual=True,
+            out, lse = fa.dot_product_attention(q, k, v, mask=FINITE, return_residual=True,
                                                 implementation=impl, **ONE_ROW[feature])
             return out, jnp.where(jnp.isfinite(lse), lse, 0.0)
         return run
