@@ -11,7 +11,8 @@ others are skipped at run time.
 that lie as ``(B*K, S, H)`` (a ``'BKSH'`` :class:`flax_attn.KVCache`, declared by the layer
 around its attention, :func:`flax_attn.core.tuning.keys_stored`; or one key/value head) are
 read where they lie by one plain pass over all of them, which is cheaper than the blocks once
-more than half of them are in use, and runs then instead. Any other keys (a ``'BSKH'`` cache,
+more than half of them are in use, and runs then instead (for at most ``max_queries``
+query tokens, with lengths declared finite past them: see below). Any other keys (a ``'BSKH'`` cache,
 arrays as given) would be transposed whole for that pass: they go by blocks however full,
 each block cut and regrouped in the same copy. A decoding step of a 768-wide, 12-head float32
 layer with a ``'BSKH'`` cache, batch 8, on a 2-core AMD EPYC of family 25, before / after:
@@ -119,6 +120,19 @@ class KeyBlocks(Implementation):
         T = 1: 18.8 / 3.1 ms; batch 8, T = 1: 158 / 30 ms; batch 8, T = 16: 2,094 / 404 ms;
         grouped 32 heads over 4 (batch 8, 64 wide), T = 1 / 16: 46 / 32 ms and 231 / 66 ms;
         past half the cache both take the plain pass (within 2%) ...
+      keys_per_query: ... and for more query tokens while the keys are at least this many
+        times as many (``T * keys_per_query <= S``): a chunk of a prompt, or draft tokens to
+        verify, over a KV cache, whose other paths read the whole cache (and zero it first,
+        the chunk's segment ids blocking its unwritten slots). Self-attention without a cache
+        (``T == S``) keeps query blocks, which skip the causal upper triangle. Steps of
+        ``decode_step`` on a 768-wide, 12-head float32 layer (2-core AMD EPYC of family 26,
+        ms a step, the automatic choice before / after): 32 tokens after 1,024 in about 9,300
+        slots, batch 1 / 8: 27.7 / 2.8 and 221 / 16.7; 32 tokens after 7,000 in 8,000 slots:
+        25.9 / 8.0 and 188 / 56; 128 tokens after 1,024 in 12,800 slots: 71 / 10.6 and 636 /
+        90; 256 tokens from an empty cache of 13,144 slots, batch 8: 677 / 179; 1,024 tokens
+        from an empty cache of 31,576 slots, batch 1: 335 / 166 (the steps' fills grow by T
+        a step). Past ``max_queries`` tokens the plain-pass branch (past half the keys) is
+        not taken: its logits would be ``(B*K, G*T, S)`` at once.
       min_blocks: ... when the keys make at least this many blocks.
     """
 
@@ -126,10 +140,11 @@ class KeyBlocks(Implementation):
     zeroes_blocked_keys = True  # each visited block's blocked keys and values are zeroed as it is read
     block_k: Optional[int] = None
     max_queries: int = 16
+    keys_per_query: int = 4
     min_blocks: int = 4
 
     def __post_init__(self):
-        for field in ("block_k", "max_queries", "min_blocks"):
+        for field in ("block_k", "max_queries", "keys_per_query", "min_blocks"):
             value = getattr(self, field)
             if value is not None:
                 _checks.check_positive_int(f"KeyBlocks {field}", value)
@@ -143,8 +158,8 @@ class KeyBlocks(Implementation):
         return reason
 
     def preferred(self, call) -> bool:
-        return (call.platform == "cpu" and call.T <= self.max_queries
-                and call.S >= self.min_blocks * self._block_k(call))
+        few = call.T <= self.max_queries or call.T * self.keys_per_query <= call.S
+        return call.platform == "cpu" and few and call.S >= self.min_blocks * self._block_k(call)
 
     def _block_k(self, call) -> int:
         if self.block_k is not None:
@@ -241,9 +256,10 @@ class KeyBlocks(Implementation):
             back = lambda x: numerics.ungroup(x.reshape(B, K, G, T, x.shape[-1]))
             return back(o).astype(query.dtype), back(lse)[..., 0]
 
-        if (stored_as_units or form == "diagonal") and visible is None:  # past half the keys, one pass where they lie is cheaper
+        if (stored_as_units or form == "diagonal") and visible is None and T <= self.max_queries:
+            # past half the keys, one pass where they lie is cheaper
             out, lse = lax.cond(2 * in_use > S, all_keys, by_blocks, query, key, value)
-        else:  # the plain pass would transpose all the keys: blocks copy only those in use
+        else:  # blocks copy only the keys in use (the plain pass would transpose, zero or hold (B*K, G*T, S) logits of all)
             out, lse = by_blocks(query, key, value)
         return Result(out=out, lse=lse if call.return_residual else None)
 

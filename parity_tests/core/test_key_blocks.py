@@ -86,8 +86,10 @@ def test_forward_mode_vmap_and_both_branches(stored, avx512):
     the keys past half of them) and declared to lie as a 'BKSH' cache's (blocks, then the plain
     pass past half the keys). The choice is a cond, whose both branches run under vmap."""
     q, k, v, _ = _inputs(1)
-    run = lambda impl, n: lambda q, k, v: fa.dot_product_attention(q, k, v, key_value_seq_lengths=n,
-                                                                 implementation=impl)
+    # lengths declared finite past them (a cache's): with NaN possible there the plain pass
+    # would need the keys zeroed first, so the blocks would run all the way
+    run = lambda impl, n: lambda q, k, v: fa.dot_product_attention(  # noqa: E731
+        q, k, v, mask=M.lengths(key_value_seq_lengths=n, finite_past_lengths=True), implementation=impl)
     tangents = tuple(jnp.ones_like(x) for x in (q, k, v))
     with tuning.keys_stored(stored):
         for lengths in (LENGTHS, np.array([20, 3, 22], np.int32)):  # under half of the 22 keys; past half
@@ -181,7 +183,15 @@ def test_automatic_choice_and_refusals():
 
     assert registry.choose(call(8192)).name == "key_blocks"   # 64 blocks of 128 keys over 96 units
     assert registry.choose(call(8192, T=16)).name == "key_blocks"
-    assert registry.choose(call(8192, T=17)).name != "key_blocks"   # more queries than a decoding step
+    # more queries than a decoding step: taken while the keys are at least 4 times as many (a
+    # chunk of a prompt over a cache), not for self-attention, which query blocks serve
+    assert registry.choose(call(8192, T=17)).name == "key_blocks"
+    assert registry.choose(call(8192, T=2048)).name == "key_blocks"
+    assert registry.choose(call(8192, T=2049)).name != "key_blocks"
+    assert registry.choose(call(1024, T=1024)).name != "key_blocks"
+    assert registry.choose(describe(*(jax.ShapeDtypeStruct((8, 1024, 12, 64), jnp.float32),) * 3, platform="cpu",
+                                    key_value_seq_lengths=np.full((8,), 100, np.int32))).name == "query_blocks"
+    assert not KeyBlocks(keys_per_query=1024).preferred(call(8192, T=17))
     # multi-query attention, 128 heads over one latent key (absorbed MLA): 128 rows, one query
     mqa = describe(jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.float32), jax.ShapeDtypeStruct((2, 8192, 1, 576), jnp.float32),
                    jax.ShapeDtypeStruct((2, 8192, 1, 576), jnp.float32), key_value_seq_lengths=np.full((2,), 100, np.int32),
@@ -196,6 +206,23 @@ def test_automatic_choice_and_refusals():
         fa.dot_product_attention(*_inputs()[:3], implementation="key_blocks")
     with pytest.raises(ValueError, match="KeyBlocks block_k"):
         KeyBlocks(block_k=0)
+    with pytest.raises(ValueError, match="KeyBlocks keys_per_query"):
+        KeyBlocks(keys_per_query=0)
+
+
+def test_no_plain_pass_past_max_queries():
+    """Past ``max_queries`` query tokens the blocks run at any fill: the plain pass over all the
+    keys would hold logits for every query against every key at once. Both give the plain
+    path's result."""
+    q, k, v, _ = _inputs(2)
+    finite = M.lengths(key_value_seq_lengths=np.array([20, 3, 22], np.int32), finite_past_lengths=True)
+    run = lambda impl: lambda q, k, v: fa.dot_product_attention(q, k, v, mask=finite, implementation=impl)  # noqa: E731
+    with tuning.keys_stored("BKSH"):
+        dots = {n: sum(e.primitive.name == "dot_general" for e in _equations(jax.make_jaxpr(run(KeyBlocks(block_k=4, max_queries=n)))(q, k, v).jaxpr))
+                for n in (T, T - 1)}
+        assert dots == {T: 4, T - 1: 2}, dots  # the blocks' two matmuls, and the plain pass's two up to max_queries
+        for n in (T, T - 1):
+            assert_close(run(KeyBlocks(block_k=4, max_queries=n))(q, k, v), run("xla")(q, k, v), np.float64, f"max_queries {n}")
 
 
 @pytest.mark.parametrize("l2, block", [(1 << 20, 512), (512 << 10, 256), (2 << 20, 1024)])
@@ -210,25 +237,28 @@ def test_default_key_block_follows_the_l2_cache(monkeypatch, l2, block):
 
 
 def test_a_decoding_loop_over_a_large_cache_follows_the_plain_path():
-    """A layer decoding into a cache of 64 slots: the core gets the filled length, and key blocks
-    of 8 (the blocks while at most 32 slots are filled, then the plain pass) give the plain path's
-    outputs at every step."""
+    """A layer decoding into a cache of 64 slots, a prompt of 3 tokens, chunks of 5, then one
+    token a step: the core gets the filled length, and key blocks of 8 (one-token steps: the
+    blocks while at most 32 slots are filled, then the plain pass; chunks: the blocks, their
+    segment ids blocking the unwritten slots) give the plain path's outputs at every step; so do
+    key blocks taking no plain pass for chunks past ``max_queries`` tokens."""
     config = fa.AttentionConfig(d_model=16, num_heads=4, num_kv_heads=2, position="rope")
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 40, 16)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(40), (2, 40))
     params = fa.Attention(config).init(jax.random.key(0), x[:, :4], positions[:, :4])
     outs = {}
-    for impl in (KeyBlocks(block_k=8), "xla"):
+    edges = [0, 3, 8, 13, 18, 23] + list(range(24, 41))
+    for impl in (KeyBlocks(block_k=8), KeyBlocks(block_k=8, max_queries=2), "xla"):
         layer = fa.Attention(config, implementation=impl)
         step = jax.jit(lambda cache, x, positions: layer.apply(params, x, positions, cache=cache))
-        out, cache = step(layer.init_cache(2, 64), x[:, :3], positions[:, :3])
-        pieces = [out]
-        for t in range(3, 40):
-            out, cache = step(cache, x[:, t:t + 1], positions[:, t:t + 1])
+        cache, pieces = layer.init_cache(2, 64), []
+        for a, b in zip(edges[:-1], edges[1:]):
+            out, cache = step(cache, x[:, a:b], positions[:, a:b])
             pieces.append(out)
         outs[str(impl)] = jnp.concatenate(pieces, axis=1)
-    blocks, plain = outs.values()
-    assert_close(blocks, plain, np.float32, "key blocks vs plain, per step")
+    *blocks, plain = outs.values()
+    for got in blocks:
+        assert_close(got, plain, np.float32, "key blocks vs plain, per step")
     assert_close(plain, fa.Attention(config).apply(params, x, positions), np.float32, "decode vs the full pass")
 
 
