@@ -3,8 +3,10 @@
 The layer: d_model 768, 12 heads of 64, RoPE (rotate-half, theta 10000), no biases, float32,
 one new token per step after a prefix of 1024 or 8192 cached tokens, batch 1 and 8; the caches
 hold a few more slots than the steps need, then 8192 slots for a 1024-token prefix (a cache
-allocated for the longest generation, early on), and last the same layer with grouped-query
-attention (12 query heads over 2 key/value heads) at both prefixes.
+allocated for the longest generation, early on), then the same layer with grouped-query
+attention (12 query heads over 2 key/value heads) at both prefixes, and last chunks of 32
+tokens a step (a prompt fed in pieces, or draft tokens to verify) after 1024 cached tokens in
+8192 slots, each chunk's queries causal among themselves.
 
 Contenders, timed in turns in one process (every round runs each once, in a new random order;
 medians of ``repeats`` rounds of ``STEPS`` steps each):
@@ -51,6 +53,8 @@ PREFIXES = (1024, 8192)
 SPARSE = ((1024, 8192),)
 # Grouped-query attention: the 12 query heads over 2 key/value heads, (prefix, kv heads)
 GROUPED = ((1024, 2), (8192, 2))
+# Several tokens a step over a cache: (prefix, cache slots, tokens per step)
+CHUNKS = ((1024, 8192, 32),)
 
 
 def _torch_layer_class():
@@ -59,8 +63,8 @@ def _torch_layer_class():
 
     class TorchDecodeLayer(torch.nn.Module):
         """PyTorch eager decoding layer: RoPE (rotate-half) attention with a preallocated cache
-        ``(B, K, S, H)``; ``forward(x (B, 1, D), pos: int) -> (B, 1, D)`` writes slot ``pos`` and
-        attends over slots ``0..pos``."""
+        ``(B, K, S, H)``; ``forward(x (B, T, D), pos: int) -> (B, T, D)`` writes slots ``pos ..
+        pos + T - 1`` and attends over slots ``0 .. pos + T - 1``, token t up to slot pos + t."""
 
         def __init__(self, d_model: int, num_heads: int, batch: int, max_len: int, theta: float = THETA,
                      num_kv_heads: int = 0):
@@ -77,23 +81,27 @@ def _torch_layer_class():
             self.register_buffer("k_cache", torch.zeros(batch, self.K, max_len, self.H), persistent=False)
             self.register_buffer("v_cache", torch.zeros(batch, self.K, max_len, self.H), persistent=False)
 
-        def rope(self, x, pos: int):
+        def rope(self, x, pos: int, T: int):
             half = self.H // 2
             rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-            return x * self.cos[pos] + rotated * self.sin[pos]
+            return x * self.cos[pos:pos + T] + rotated * self.sin[pos:pos + T]
 
         def forward(self, x, pos: int):
-            B = x.shape[0]
-            heads = lambda y, n: y.view(B, 1, n, self.H).transpose(1, 2)  # (B, n, 1, H)
-            q = self.rope(heads(self.q_proj(x), self.N), pos)
-            k = self.rope(heads(self.k_proj(x), self.K), pos)
-            self.k_cache[:, :, pos] = k[:, :, 0]
-            self.v_cache[:, :, pos] = heads(self.v_proj(x), self.K)[:, :, 0]
+            B, T = x.shape[:2]
+            G, end = self.N // self.K, pos + T
+            heads = lambda y, n: y.view(B, T, n, self.H).transpose(1, 2)  # (B, n, T, H)
+            q = self.rope(heads(self.q_proj(x), self.N), pos, T)
+            self.k_cache[:, :, pos:end] = self.rope(heads(self.k_proj(x), self.K), pos, T)
+            self.v_cache[:, :, pos:end] = heads(self.v_proj(x), self.K)
             # grouped queries: the N / K query heads of a key/value head as rows of one head (on
-            # CPU 2-6x faster than enable_gqa=True, whose math path repeats the cached keys)
-            q = q.reshape(B, self.K, self.N // self.K, self.H)
-            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :pos + 1], self.v_cache[:, :, :pos + 1])
-            return self.o_proj(out.reshape(B, 1, self.N * self.H))
+            # CPU 2-6x faster than enable_gqa=True, whose math path repeats the cached keys),
+            # rows (g, t); several tokens: token t sees slots up to pos + t
+            q = q.reshape(B, self.K, G * T, self.H)
+            mask = None
+            if T > 1:
+                mask = (torch.arange(end)[None, :] <= pos + torch.arange(T)[:, None]).repeat(G, 1)
+            out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], attn_mask=mask)
+            return self.o_proj(out.reshape(B, self.N, T, self.H).transpose(1, 2).reshape(B, T, self.N * self.H))
 
     return TorchDecodeLayer
 
@@ -125,13 +133,13 @@ def filled(batch: int, max_len: int, prefix: int) -> dict:
 
 
 def flax_steps(step, params, cache, x, prefix: int, max_len: int):
-    """``run(n)``: ``n`` decoding steps of ``step`` (from ``fa.decode_step``) on token ``x``,
-    positions counting on from ``prefix``; returns the last output, waited for."""
+    """``run(n)``: ``n`` decoding steps of ``step`` (from ``fa.decode_step``) on the tokens ``x``
+    ``(B, T, D)``, positions counting on from ``prefix``; returns the last output, waited for."""
     import jax.numpy as jnp
 
-    B = x.shape[0]
+    B, T = x.shape[:2]
     xt = jnp.asarray(x)
-    positions = [jnp.full((B, 1), t, jnp.int32) for t in range(prefix, max_len)]
+    positions = [jnp.broadcast_to(jnp.arange(t, t + T, dtype=jnp.int32), (B, T)) for t in range(prefix, max_len - T + 1, T)]
     state = {"cache": cache, "t": 0}
 
     def run(n=STEPS):
@@ -145,8 +153,9 @@ def flax_steps(step, params, cache, x, prefix: int, max_len: int):
 
 
 def torch_steps(twin, x, prefix: int):
-    """``run(n, num_threads)``: ``n`` eager steps of ``twin(x, pos)``, positions counting on from
-    ``prefix``, under ``torch.inference_mode()``; returns the last output."""
+    """``run(n, num_threads)``: ``n`` eager steps of ``twin(x, pos)`` on the tokens ``x``
+    ``(B, T, D)``, positions counting on from ``prefix``, under ``torch.inference_mode()``;
+    returns the last output."""
     import torch
 
     tx, state, threads = torch.from_numpy(x), {"t": 0}, torch.get_num_threads()
@@ -156,7 +165,7 @@ def torch_steps(twin, x, prefix: int):
         with torch.inference_mode():
             for _ in range(n):
                 out = twin(tx, prefix + state["t"])
-                state["t"] += 1
+                state["t"] += tx.shape[1]
         torch.set_num_threads(threads)
         return out.numpy()
 
@@ -181,20 +190,20 @@ def timed_rows(flax_runs: dict, torch_run, repeats: int, floor: float, **cell_fi
         fns["torch eager 1 thread"] = lambda: torch_run(num_threads=1)
     seconds = time_in_turns(fns, repeats)
     torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / STEPS
-    B = cell_fields["batch"]
+    B, tokens = cell_fields["batch"], cell_fields.get("tokens", 1)
     rows = []
     for name, s in seconds.items():
         step_s = s / STEPS
-        rows.append({"contender": name, **cell_fields, "ms_per_step": step_s * 1e3, "ms_per_token": step_s * 1e3 / B,
-                     "floor_bytes_per_step": floor, "floor_bytes_per_token": floor / B,
+        rows.append({"contender": name, **cell_fields, "ms_per_step": step_s * 1e3, "ms_per_token": step_s * 1e3 / (B * tokens),
+                     "floor_bytes_per_step": floor, "floor_bytes_per_token": floor / (B * tokens),
                      "gb_per_s": floor / step_s / 1e9, "ratio_vs_torch": step_s / torch_step})
     return rows
 
 
-def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int = HEADS) -> list[dict]:
+def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int = HEADS, tokens: int = 1) -> list[dict]:
     """Time one (batch, prefix) cell; one row per contender. ``capacity``: the caches' slots
     (both sides), at least what the cell's steps need; ``kv_heads``: key/value heads (fewer
-    than the 12 query heads: grouped-query attention)."""
+    than the 12 query heads: grouped-query attention); ``tokens``: new tokens a step."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -203,12 +212,12 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
 
     B, D, N, K = batch, D_MODEL, HEADS, kv_heads
     H = D // N
-    max_len = max(capacity, prefix + 2 * (repeats + 2) * STEPS + 2)  # room for both torch rows, which share one cache
+    max_len = max(capacity, prefix + (2 * (repeats + 2) * STEPS + 2) * tokens)  # room for both torch rows, which share one cache
     rng = np.random.default_rng(batch * 100003 + prefix)
     config = fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=K, position="rope", rope_theta=THETA)
     layer = fa.Attention(config)
-    x = rng.standard_normal((B, 1, D)).astype(np.float32)
-    params = layer.init(jax.random.key(0), jnp.asarray(x), jnp.zeros((B, 1), jnp.int32))
+    x = rng.standard_normal((B, tokens, D)).astype(np.float32)
+    params = layer.init(jax.random.key(0), jnp.asarray(x), jnp.zeros((B, tokens), jnp.int32))
     kernels = {name: np.asarray(params["params"][name]["kernel"]) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     # cached keys/values for slots 0..prefix-1, (B, K, prefix, H)
     k0 = rng.standard_normal((B, K, prefix, H), dtype=np.float32)
@@ -228,20 +237,23 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
             getattr(twin, name).weight.copy_(torch.from_numpy(kernel.T.copy()))
         twin.k_cache[:, :, :prefix] = torch.from_numpy(k0)
         twin.v_cache[:, :, :prefix] = torch.from_numpy(v0)
-    fill = prefix + 1 + (repeats + 1) * STEPS // 2  # the fill level at the middle of the run
+    fill = prefix + tokens * (1 + (repeats + 1) * STEPS // 2)  # the fill level at the middle of the run
     floor = (2 * D * D + 2 * D * K * H) * 4 + 2 * B * fill * K * H * 4
     return timed_rows({f"flax_attn {layout}": flax_contender(layout) for layout in ("BKSH", "BSKH")},
                       torch_steps(twin, x, prefix), repeats, floor,
-                      batch=B, prefix=prefix, capacity=max_len, kv_heads=K)
+                      batch=B, prefix=prefix, capacity=max_len, kv_heads=K, tokens=tokens)
 
 
-def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, grouped=GROUPED) -> list[dict]:
+def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, grouped=GROUPED,
+        chunks=CHUNKS) -> list[dict]:
     """Every (batch, prefix) cell, each contender timed in turns, then the ``sparse`` (prefix,
     capacity) cells: a cache allocated for more tokens than it holds, then the ``grouped``
-    (prefix, key/value heads) cells; rows of dicts (see :func:`report`)."""
-    cells = [(p, 0, HEADS) for p in prefixes] + [(p, c, HEADS) for p, c in sparse] + [(p, 0, k) for p, k in grouped]
-    return [row for prefix, capacity, kv_heads in cells for batch in batches
-            for row in cell(batch, prefix, repeats, capacity, kv_heads)]
+    (prefix, key/value heads) cells, then the ``chunks`` (prefix, capacity, tokens a step)
+    cells; rows of dicts (see :func:`report`)."""
+    cells = ([(p, 0, HEADS, 1) for p in prefixes] + [(p, c, HEADS, 1) for p, c in sparse]
+             + [(p, 0, k, 1) for p, k in grouped] + [(p, c, HEADS, t) for p, c, t in chunks])
+    return [row for prefix, capacity, kv_heads, tokens in cells for batch in batches
+            for row in cell(batch, prefix, repeats, capacity, kv_heads, tokens)]
 
 
 def machine() -> dict:
@@ -258,10 +270,10 @@ def report(rows: list[dict], title: str = TITLE) -> str:
     (below 1.0: faster than PyTorch), under ``title`` and the machine."""
     m = machine()
     lines = [f"{title}; CPU {m['cpu']} ({m['cores']} cores, shared: load {m['load_1_5_15']})", "",
-             "| batch | prefix | cache slots | kv heads | contender | ms/step | ms/token | floor MB/step | GB/s | vs torch |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| batch | prefix | cache slots | kv heads | tokens/step | contender | ms/step | ms/token | floor MB/step | GB/s | vs torch |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['prefix']} | {r['capacity']} | {r['kv_heads']} | {r['contender']} | "
+        lines.append(f"| {r['batch']} | {r['prefix']} | {r['capacity']} | {r['kv_heads']} | {r.get('tokens', 1)} | {r['contender']} | "
                      f"{r['ms_per_step']:.3f} | "
                      f"{r['ms_per_token']:.3f} | {r['floor_bytes_per_step'] / 1e6:.1f} | {r['gb_per_s']:.1f} | "
                      f"{r['ratio_vs_torch']:.2f}x |")
@@ -276,7 +288,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     prefixes = (1024,) if args.quick else PREFIXES
     repeats = 8 if args.quick else args.repeats
-    rows = run(repeats, prefixes=prefixes, sparse=() if args.quick else SPARSE, grouped=() if args.quick else GROUPED)
+    rows = run(repeats, prefixes=prefixes, sparse=() if args.quick else SPARSE, grouped=() if args.quick else GROUPED,
+               chunks=() if args.quick else CHUNKS)
     print(report(rows))
     out = args.out or Path(__file__).parent / "results" / f"decode-{cpu.slug()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@
    token with the cache (``fa.decode_step``) against recomputing the whole prefix, after a
    1024-token prefix; and one
    decoding step (``fa.decode_step``) against PyTorch eager with a preallocated cache, batch 1
-   and 8, prefixes 1k and 8k, and 1k in a cache of 8k slots (:mod:`benchmarks.decode`); and an
+   and 8, prefixes 1k and 8k, 1k in a cache of 8k slots, and chunks of 32 tokens a step
+   there (:mod:`benchmarks.decode`); and an
    absorbed multi-head latent attention step against PyTorch eager (:mod:`benchmarks.decode_mla`).
 
 Writes benchmarks/results/<machine>.json and .png, and prints the tables. No assertions: the
@@ -661,7 +662,7 @@ def main(argv=None) -> None:
         results["decoding"] = decoding(64 if args.smoke else 1024, 8 if args.smoke else 64, max(1, repeats // 3), gpu)
         if not gpu:  # the PyTorch eager peer of benchmarks.decode runs on the CPU
             from benchmarks import decode
-            results["decode_vs_torch"] = (decode.run(1, batches=(1,), prefixes=(64,), sparse=((64, 512),), grouped=((64, 2),)) if args.smoke
+            results["decode_vs_torch"] = (decode.run(1, batches=(1,), prefixes=(64,), sparse=((64, 512),), grouped=((64, 2),), chunks=((64, 1024, 8),)) if args.smoke
                                           else decode.run(repeats))
             from benchmarks import decode_mla
             results["decode_mla_vs_torch"] = decode_mla.run(1 if args.smoke else repeats, smoke=args.smoke)

@@ -208,17 +208,24 @@ def test_benchmark_rows_and_report():
     assert min(r["ratio_vs_torch"] for r in rows if r["contender"].startswith("torch")) == 1.0
     floor = 4 * 768 * 768 * 4 + 2 * 64 * 768 * 4  # the weights and the 64 cached keys and values, float32
     assert all(r["ms_per_step"] > 0 and floor < r["floor_bytes_per_step"] < floor + 2 * 16 * 768 * 4 for r in rows)
-    assert "| 1 | 64 | 90 | 12 | torch eager |" in bench.report(rows)  # 64 + 2 x (1 + 2) rounds x 4 steps + 2 slots
+    assert "| 1 | 64 | 90 | 12 | 1 | torch eager |" in bench.report(rows)  # 64 + 2 x (1 + 2) rounds x 4 steps + 2 slots
     # a cache of 2048 slots holding about 64 tokens: the layer's step visits key blocks (4 of 512:
     # the automatic choice), and agrees with PyTorch before anything is timed
     sparse = bench.cell(batch=1, prefix=64, repeats=1, capacity=2048)
-    assert {r["capacity"] for r in sparse} == {2048} and "| 1 | 64 | 2048 | 12 | flax_attn BKSH |" in bench.report(sparse)
+    assert {r["capacity"] for r in sparse} == {2048} and "| 1 | 64 | 2048 | 12 | 1 | flax_attn BKSH |" in bench.report(sparse)
     # grouped-query attention, 12 query heads over 2 key/value heads: the floor counts the
     # smaller key/value projections and cache
     grouped = bench.cell(batch=1, prefix=64, repeats=1, kv_heads=2)
     floor = (2 * 768 * 768 + 2 * 768 * 128) * 4 + 2 * 64 * 128 * 4
     assert all(floor < r["floor_bytes_per_step"] < floor + 2 * 16 * 128 * 4 for r in grouped)
-    assert "| 1 | 64 | 90 | 2 | flax_attn BKSH |" in bench.report(grouped)
+    assert "| 1 | 64 | 90 | 2 | 1 | flax_attn BKSH |" in bench.report(grouped)
+    # chunks of 8 tokens a step, causal among themselves, against PyTorch's explicit mask: the
+    # floor is per step (the weights and the cache read once for the chunk), a token's share of it
+    chunks = bench.cell(batch=1, prefix=64, repeats=1, capacity=1024, tokens=8)
+    assert {r["tokens"] for r in chunks} == {8} and "| 1 | 64 | 1024 | 12 | 8 | flax_attn BKSH |" in bench.report(chunks)
+    floor = 4 * 768 * 768 * 4 + 2 * (64 + 8) * 768 * 4
+    assert all(floor <= r["floor_bytes_per_step"] < floor + 2 * 16 * 8 * 768 * 4 for r in chunks)
+    assert all(r["ms_per_token"] * 8 == pytest.approx(r["ms_per_step"]) for r in chunks)
 
 
 def test_mla_benchmark_rows_and_report():
@@ -235,7 +242,7 @@ def test_mla_benchmark_rows_and_report():
         fill = 64 + 1 + 2 * 4 // 2
         assert all(r["floor_bytes_per_step"] == 4 * (weights + 2 * fill * 20) for r in rows)
         slots = 2048 if capacity else 90
-        assert f"| 2 | 64 | {slots} | 1 | flax_attn absorbed |" in bench.report(rows, bench.TITLE)
+        assert f"| 2 | 64 | {slots} | 1 | 1 | flax_attn absorbed |" in bench.report(rows, bench.TITLE)
 
 
 def test_cpu_compiler_options_follow_the_cpu(monkeypatch):
