@@ -15,6 +15,7 @@ import pytest
 
 import flax_attn as fa
 from flax_attn.core import KeyBlocks, registry, tuning
+from flax_attn.core.key_blocks import keys_in_use
 from flax_attn.core import mask as M
 from flax_attn.core.call import describe
 from conftest import assert_close
@@ -208,6 +209,39 @@ def test_automatic_choice_and_refusals():
         KeyBlocks(block_k=0)
     with pytest.raises(ValueError, match="KeyBlocks keys_per_query"):
         KeyBlocks(keys_per_query=0)
+
+
+@pytest.mark.parametrize("shape", ["(B,1,1,S)", "(S,)", "(B,N,T,S)"])
+def test_a_boolean_mask_over_the_keys_bounds_the_blocks(shape, avx512):
+    """A boolean mask with a key axis and no lengths (a padding mask over a cache, as Flax's
+    decoding builds): its last allowed key bounds the blocks visited, garbage under its
+    all-False columns (NaN, Inf) is zeroed block by block, and outputs and gradients equal
+    the plain path's on clean inputs. The automatic choice takes the key blocks for a decoding
+    step over a large cache with such a mask."""
+    q, k, v, _ = _inputs(3)
+    rng = np.random.default_rng(8)
+    cols = np.arange(S)[None, None, None, :] < LENGTHS[:, None, None, None]  # (B, 1, 1, S)
+    mask = {"(B,1,1,S)": cols, "(S,)": np.arange(S) < 7,
+            "(B,N,T,S)": cols & (rng.random((B, N, T, S)) < 0.7)}[shape]
+    blocked = ~np.broadcast_to(mask, (B, N, T, S)).any(axis=(1, 2))  # (B, S): no query may use them
+    dirty_k, dirty_v = np.array(k), np.array(v)
+    dirty_k[blocked], dirty_v[blocked] = np.nan, -np.inf
+    f = lambda impl: lambda q, k, v: fa.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # noqa: E731
+    loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a) * jnp.cos(jnp.arange(H)))  # noqa: E731
+    run = jax.jit(lambda *a: (f(BLOCKS)(*a), jax.grad(loss(BLOCKS), argnums=(0, 1, 2))(*a)))
+    clean, dirty = run(q, k, v), run(q, jnp.asarray(dirty_k), jnp.asarray(dirty_v))
+    for what, a, b in zip(("out", "dq", "dk", "dv"), (dirty[0], *dirty[1]), (clean[0], *clean[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{what} differs from the clean run")
+    assert_close(clean[0], f("xla")(q, k, v), np.float64, "out")
+    for g, w, what in zip(clean[1], jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v), "qkv"):
+        assert_close(g, w, np.float64, f"d{what}")
+    # the blocks stop after the last key some query may use
+    want = int(np.max(np.nonzero(~blocked.all(axis=0))[0])) + 1
+    assert int(keys_in_use(describe(q, k, v, mask=mask).mask, S)) == want
+    assert int(keys_in_use(describe(q, k, v, mask=np.zeros(S, bool)).mask, S)) == 0
+    step = describe(jax.ShapeDtypeStruct((8, 1, 12, 64), jnp.float32), *(jax.ShapeDtypeStruct((8, 8192, 12, 64), jnp.float32),) * 2,
+                    mask=np.ones((8, 1, 1, 8192), bool), platform="cpu")
+    assert registry.choose(step).name == "key_blocks"
 
 
 def test_no_plain_pass_past_max_queries():
