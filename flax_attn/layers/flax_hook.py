@@ -5,7 +5,10 @@ A drop-in ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention`` and
 ``flax.linen.dot_product_attention`` and ``flax.nnx.dot_product_attention``) and computes with
 :func:`flax_attn.dot_product_attention`, so an existing Flax model keeps its parameters and
 gets flax_attn's implementations (on CPU the blockwise path from 128 tokens: memory linear in
-the length for the attention itself; a dense mask passed by the layer stays a T x S array)::
+the length for the attention itself; a dense mask passed by the layer stays a T x S array; a
+decoding step's mask over its cache, ``(B, 1, 1, S)``, takes the key blocks up to the last
+slot it allows: one query at batch 8, 12 heads of 64, 1,025 of 8,192 slots, 8.7 ms a call
+against ``flax.linen.dot_product_attention``'s 123 ms, 2-core AMD EPYC of family 26)::
 
     layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fa.flax_attention_fn)
     layer = nnx.MultiHeadAttention(num_heads=8, in_features=512, attention_fn=fa.flax_attention_fn,
