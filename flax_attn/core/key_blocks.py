@@ -125,11 +125,14 @@ class KeyBlocks(Implementation):
         T = 1: 18.8 / 3.1 ms; batch 8, T = 1: 158 / 30 ms; batch 8, T = 16: 2,094 / 404 ms;
         grouped 32 heads over 4 (batch 8, 64 wide), T = 1 / 16: 46 / 32 ms and 231 / 66 ms;
         past half the cache both take the plain pass (within 2%) ...
-      keys_per_query: ... and for more query tokens while the keys are at least this many
-        times as many (``T * keys_per_query <= S``): a chunk of a prompt, or draft tokens to
-        verify, over a KV cache, whose other paths read the whole cache (and zero it first,
-        the chunk's segment ids blocking its unwritten slots). Self-attention without a cache
-        (``T == S``) keeps query blocks, which skip the causal upper triangle. Steps of
+      keys_per_query: ... and for more query tokens over a KV cache (keys declared by the
+        layer to lie in its cache, :func:`flax_attn.core.tuning.keys_stored`) of at least this
+        many times as many slots (``T * keys_per_query <= S``): a chunk of a prompt, or draft
+        tokens to verify, whose other paths read the whole cache (and zero it first, the
+        chunk's segment ids blocking its unwritten slots). Other calls keep query blocks or the
+        plain path past ``max_queries``: with every key in use, 8 x 256 queries against 1,024
+        keys with lengths, the key blocks took 83 / 293 ms forward / forward+backward against
+        query blocks' 54 / 189 (64 queries: 19 / 131 against the plain path's 47 / 152). Steps of
         ``decode_step`` on a 768-wide, 12-head float32 layer (2-core AMD EPYC of family 26,
         ms a step, the automatic choice before / after): 32 tokens after 1,024 in about 9,300
         slots, batch 1 / 8: 27.7 / 2.8 and 221 / 16.7; 32 tokens after 7,000 in 8,000 slots:
@@ -164,7 +167,8 @@ class KeyBlocks(Implementation):
         return reason
 
     def preferred(self, call) -> bool:
-        few = call.T <= self.max_queries or call.T * self.keys_per_query <= call.S
+        chunk = call.T * self.keys_per_query <= call.S and tuning.keys_stored_as() is not None
+        few = call.T <= self.max_queries or chunk
         return call.platform == "cpu" and few and call.S >= self.min_blocks * self._block_k(call)
 
     def _block_k(self, call) -> int:

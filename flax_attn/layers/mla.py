@@ -442,7 +442,8 @@ def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_r
         # too, the output's last d_r dims dropped: c_kv alone would be a strided copy of the cache.
         key = (jnp.concatenate([c_kv, k_pe], axis=-1) if cache is None else new_cache.latent)[:, :, None, :]
         key = key.astype(dtype)
-        o_latent = dot_product_attention(query, key, key, None, mask, **attend)[..., :R]
+        with tuning.keys_stored("BKSH" if cache is not None else None):  # one latent head: the cache as it lies
+            o_latent = dot_product_attention(query, key, key, None, mask, **attend)[..., :R]
         out = absorb_values(o_latent)
     else:
         kv = dense(params["kv_b_proj"], c_kv, precision).reshape(B, S, N, dn + dv)

@@ -184,15 +184,19 @@ def test_automatic_choice_and_refusals():
 
     assert registry.choose(call(8192)).name == "key_blocks"   # 64 blocks of 128 keys over 96 units
     assert registry.choose(call(8192, T=16)).name == "key_blocks"
-    # more queries than a decoding step: taken while the keys are at least 4 times as many (a
-    # chunk of a prompt over a cache), not for self-attention, which query blocks serve
-    assert registry.choose(call(8192, T=17)).name == "key_blocks"
-    assert registry.choose(call(8192, T=2048)).name == "key_blocks"
-    assert registry.choose(call(8192, T=2049)).name != "key_blocks"
-    assert registry.choose(call(1024, T=1024)).name != "key_blocks"
+    # more queries than a decoding step: taken over a KV cache (declared by the layer) of at
+    # least 4 times as many slots (a chunk of a prompt), not over other keys (cross-attention,
+    # self-attention: query blocks or the plain path)
+    assert registry.choose(call(8192, T=17)).name != "key_blocks"
+    with tuning.keys_stored("BKSH"):
+        assert registry.choose(call(8192, T=17)).name == "key_blocks"
+        assert registry.choose(call(8192, T=2048)).name == "key_blocks"
+        assert registry.choose(call(8192, T=2049)).name != "key_blocks"
+        assert registry.choose(call(1024, T=1024)).name != "key_blocks"
     assert registry.choose(describe(*(jax.ShapeDtypeStruct((8, 1024, 12, 64), jnp.float32),) * 3, platform="cpu",
                                     key_value_seq_lengths=np.full((8,), 100, np.int32))).name == "query_blocks"
-    assert not KeyBlocks(keys_per_query=1024).preferred(call(8192, T=17))
+    with tuning.keys_stored("BSKH"):
+        assert KeyBlocks().preferred(call(8192, T=17)) and not KeyBlocks(keys_per_query=1024).preferred(call(8192, T=17))
     # multi-query attention, 128 heads over one latent key (absorbed MLA): 128 rows, one query
     mqa = describe(jax.ShapeDtypeStruct((2, 1, 128, 576), jnp.float32), jax.ShapeDtypeStruct((2, 8192, 1, 576), jnp.float32),
                    jax.ShapeDtypeStruct((2, 8192, 1, 576), jnp.float32), key_value_seq_lengths=np.full((2,), 100, np.int32),
