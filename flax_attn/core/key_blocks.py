@@ -276,10 +276,11 @@ class KeyBlocks(Implementation):
 
 def keys_in_use(mask, S: int):
     """An int32 scalar: the keys at or past it are blocked for every row, by the key/value
-    lengths, else by a boolean mask's columns (one past its last allowed key, 0 if none)."""
+    lengths, else by what a boolean mask's columns (and negative key segment ids) leave
+    visible: one past the last key some query may use, 0 if none."""
     if mask.kv_lengths is not None:
         return jnp.max(jnp.minimum(mask.kv_lengths, S)).astype(jnp.int32)
-    columns = jnp.any(mask.dense, axis=(0, 1, 2))  # (S,): keys some query may use
+    columns = jnp.any(mask.key_visible(), axis=0)  # (S,)
     return jnp.max(jnp.where(columns, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
 
 
