@@ -2,11 +2,14 @@
 length, skipped past it at run time; with keys lying as a 'BKSH' cache's, one plain pass
 when more than half of them are in use.
 
-The conformance suite holds it to the float64 reference wherever a call has lengths (mostly
-the plain-pass branch there: its lengths are long); here the lengths are short, so the blocks
-run, on small blocks (4 keys: several blocks, the last one short), against the plain path in
-float64: outputs, log-sum-exp, gradients, forward mode and vmap. And a decoding loop over a
-KV cache: the layer gives the core its filled length, and the steps agree with the plain path.
+The conformance suite holds it to the float64 reference wherever a call has lengths or a
+boolean mask over the keys (by blocks there, one block on its small shapes: lengths not declared
+finite leave no plain-pass branch); here the lengths are short, so the blocks run, on small
+blocks (4 keys: several blocks, the last one short), against the plain path in float64:
+outputs, log-sum-exp, gradients, forward mode and vmap; garbage past the lengths zeroed block
+by block; the choice for chunks over a cache. And a decoding loop over a KV cache (a prompt,
+chunks, single tokens): the layer gives the core its filled length, and the steps agree with
+the plain path.
 """
 import jax
 import jax.numpy as jnp
