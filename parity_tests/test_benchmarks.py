@@ -69,3 +69,33 @@ def test_sweep_lengths_are_checked_before_any_work(capsys, lengths, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--lengths" in err and message in err and repr(lengths) in err
+
+
+def test_tables_print_the_result_files_figures():
+    """``benchmarks.tables`` renders a result file's own figures: each layer row with its time
+    and ratio, one sweep row per length with a cell per contender, one decoding row per cell
+    with its first contender's ratio; a file it does not read is refused, naming its keys."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import tables
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    run = json.loads((results / "cpu-amd-epyc-family26-model2-2cores.json").read_text())
+    text = tables.tables(run)
+    layer_lines = [line for line in tables.layer_table(run).splitlines()[2:]]
+    assert len(layer_lines) == len({r["layer"] for r in run["gpt2_layer"]})
+    for r in run["gpt2_layer"]:
+        line = next(l for l in layer_lines if l.startswith(f"| {r['layer'].replace('(peer)', '(**peer**)')} |"))
+        assert f"{r['seconds']:.3f} s | {r['ratio_to_peer']:.2f}x" in line
+    assert "(**peer**) | " in text and text.count("| 1.00x |") >= 2  # the peer's own forward and forward+backward
+    sweep_lines = tables.sweep_table(run).splitlines()
+    lengths = sorted({r["T"] for r in run["length_sweep"]})
+    assert len(sweep_lines) == 2 + len(lengths)
+    assert all(line.count(" / ") == len({r["impl"] for r in run["length_sweep"]}) for line in sweep_lines[2:])
+    decode_lines = tables.decode_table(run["decode_vs_torch"]).splitlines()[2:]
+    firsts = [r for r in run["decode_vs_torch"] if r["contender"] == "flax_attn BKSH"]
+    assert len(decode_lines) == len(firsts)
+    assert [l.rsplit("|", 2)[1].strip() for l in decode_lines] == [f"{r['ratio_vs_torch']:.2f}x" for r in firsts]
+    with pytest.raises(ValueError, match="not a result file"):
+        tables.tables(json.loads((results / "parallel-amd-epyc-family26-model2.json").read_text()))

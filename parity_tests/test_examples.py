@@ -34,6 +34,13 @@ def test_benchmark_suite_runs(tmp_path):
     assert "KV-cache decoding" in result.stdout
     assert "KV-cache decode step" in result.stdout  # against PyTorch eager (benchmarks.decode)
     assert "Absorbed multi-head latent attention decode step" in result.stdout  # benchmarks.decode_mla
+    [written] = tmp_path.glob("*.json")
+    rendered = subprocess.run([sys.executable, "-m", "benchmarks.tables", str(written)],
+                              capture_output=True, text=True, timeout=120, cwd=root)
+    assert rendered.returncode == 0, rendered.stderr[-2000:]
+    for title in ("GPT-2-small causal layer", "length sweep", "Decoding step against PyTorch eager",
+                  "Absorbed latent attention decoding step", "Cached generation"):
+        assert title in rendered.stdout
 
 
 @pytest.mark.slow
