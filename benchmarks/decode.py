@@ -14,6 +14,8 @@ medians of ``repeats`` rounds of ``STEPS`` steps each):
 * ``flax_attn BKSH``: ``fa.decode_step(layer)`` (one ``jax.jit``, the cache donated) with the default
   ``layout='BKSH'`` cache (keys stored ``(B*K, S, H)``);
 * ``flax_attn BSKH``: the same with a ``layout='BSKH'`` cache (keys ``(B, S, K, H)``);
+* ``flax_attn blocks``: the same with a ``layout='blocks'`` cache (keys ``(S // 128, B*K, 128,
+  H)``); every contender's cache has a whole number of its blocks;
 * ``torch eager``: :class:`TorchDecodeLayer` below: ``nn.Linear`` projections, RoPE from a
   precomputed table, keys written into a preallocated ``(B, K, S, H)`` cache by index and
   ``F.scaled_dot_product_attention`` over the filled slots (grouped queries as the rows of
@@ -209,10 +211,12 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
     import torch
 
     import flax_attn as fa
+    from flax_attn.layers.cache import BLOCK
 
     B, D, N, K = batch, D_MODEL, HEADS, kv_heads
     H = D // N
     max_len = max(capacity, prefix + (2 * (repeats + 2) * STEPS + 2) * tokens)  # room for both torch rows, which share one cache
+    max_len = -(-max_len // BLOCK) * BLOCK  # whole blocks, for the 'blocks' layout (every contender has as many slots)
     rng = np.random.default_rng(batch * 100003 + prefix)
     config = fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=K, position="rope", rope_theta=THETA)
     layer = fa.Attention(config)
@@ -226,7 +230,8 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
     def flax_contender(layout: str):
         cache = layer.init_cache(B, max_len, layout=layout)
         pad = lambda a: np.concatenate([a, np.zeros((B, K, max_len - prefix, H), np.float32)], axis=2)
-        to_layout = (lambda a: a.reshape(B * K, max_len, H)) if layout == "BKSH" else (lambda a: a.transpose(0, 2, 1, 3))
+        to_layout = {"BKSH": lambda a: a.reshape(B * K, max_len, H), "BSKH": lambda a: a.transpose(0, 2, 1, 3),
+                     "blocks": lambda a: a.reshape(B * K, max_len // BLOCK, BLOCK, H).transpose(1, 0, 2, 3)}[layout]
         cache = cache.replace(key=jnp.asarray(to_layout(pad(k0))), value=jnp.asarray(to_layout(pad(v0))),
                               **filled(B, max_len, prefix))
         return flax_steps(fa.decode_step(layer), params, cache, x, prefix, max_len)
@@ -239,7 +244,7 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
         twin.v_cache[:, :, :prefix] = torch.from_numpy(v0)
     fill = prefix + tokens * (1 + (repeats + 1) * STEPS // 2)  # the fill level at the middle of the run
     floor = (2 * D * D + 2 * D * K * H) * 4 + 2 * B * fill * K * H * 4
-    return timed_rows({f"flax_attn {layout}": flax_contender(layout) for layout in ("BKSH", "BSKH")},
+    return timed_rows({f"flax_attn {layout}": flax_contender(layout) for layout in ("BKSH", "BSKH", "blocks")},
                       torch_steps(twin, x, prefix), repeats, floor,
                       batch=B, prefix=prefix, capacity=max_len, kv_heads=K, tokens=tokens)
 

@@ -11,7 +11,10 @@ of grouped-query attention (8 query heads sharing 2 key/value heads, RoPE) and a
   shape (prompt, then one token) and donates the caches, so each step writes its keys into
   them in place and attends over them.
 
-    python examples/generate.py [--tokens 64]
+    python examples/generate.py [--tokens 64] [--layout BKSH|BSKH|blocks]
+
+``--layout`` picks the caches' layout (:class:`flax_attn.KVCache`; ``'blocks'``, block-major,
+for a cache allocated much larger than its fill): the tokens are the same in every layout.
 """
 import argparse
 import time
@@ -65,10 +68,10 @@ def generate_uncached(full, params, prompt, n):
     return tokens[len(prompt):]
 
 
-def generate_cached(step, params, prompt, n):
+def generate_cached(step, params, prompt, n, layout="BKSH"):
     """``step``: ``fa.decode_step(model)``; the caches it is given are donated (consumed)."""
     layer = fa.Attention(ATTENTION)
-    caches = [layer.init_cache(batch=1, max_len=CONTEXT) for _ in range(LAYERS)]
+    caches = [layer.init_cache(batch=1, max_len=CONTEXT, layout=layout) for _ in range(LAYERS)]
     logits, caches = step(params, caches, jnp.asarray(prompt)[None], jnp.arange(len(prompt))[None])
     tokens = [int(jnp.argmax(logits[0, -1]))]
     for t in range(len(prompt), len(prompt) + n - 1):
@@ -96,6 +99,7 @@ def timed(fn, *args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="cached vs uncached greedy generation")
     parser.add_argument("--tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--layout", choices=("BKSH", "BSKH", "blocks"), default="BKSH", help="the caches' layout")
     args = parser.parse_args(argv)
     prompt = list("Attention is all you need. ".encode())
     n = min(args.tokens, CONTEXT - len(prompt))
@@ -104,7 +108,7 @@ def main(argv=None):
     full = jax.jit(lambda p, tokens: model.apply(p, tokens, jnp.arange(CONTEXT)[None]))
     step = fa.decode_step(model)  # compiles once per shape: the prompt's, then one token's
     uncached, t_u = timed(generate_uncached, full, params, prompt, n)
-    cached, t_c = timed(generate_cached, step, params, prompt, n)
+    cached, t_c = timed(generate_cached, step, params, prompt, n, args.layout)
     print(f"{LAYERS} layers, d_model {ATTENTION.d_model}, prompt {len(prompt)} tokens, {n} generated "
           f"({jax.default_backend()}: {cpu_model()})")
     print(f"without cache: {n / t_u:8.1f} tokens/s")

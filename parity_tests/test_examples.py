@@ -15,9 +15,12 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
     ("tiny_decoder.py", "same tokens: True"),
     ("nnx_decoder.py", "same tokens: True"),
     ("hf_checkpoint.py", "checkpoint round trip: OK"),
+    ("generate.py --tokens 16", "same tokens: True"),
+    ("generate.py --tokens 16 --layout blocks", "same tokens: True"),
 ])
 def test_example_runs(script, expect):
-    result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300)
+    name, *args = script.split()
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert expect in result.stdout
 

@@ -310,7 +310,7 @@ def reads_heads_in_place(call) -> bool:
     non-finite key in one head's columns makes every head's logit at its slot NaN (0 x inf),
     where the regrouped matmuls keep it to its own head; values are not mixed (each unit's
     columns are taken, not summed). Not measured on CPUs without AVX-512, which regroup."""
-    return (call.platform == "cpu" and not keys_in_units_order(call.K)
+    return (call.platform == "cpu" and not keys_in_units_order(call.K) and tuning.keys_stored_as() != "blocks"
             and call.K * call.G * call.T <= DIAGONAL_MAX_COLUMNS and tuning.has_avx512())
 
 

@@ -173,18 +173,23 @@ _KEYS_STORED: contextvars.ContextVar = contextvars.ContextVar("flax_attn_keys_st
 
 
 @contextlib.contextmanager
-def keys_stored(layout: Optional[str]):
+def keys_stored(layout: Optional[str], block: Optional[int] = None):
     """Declares, while attention is traced, how the ``(B, S, K, H)`` keys and values it is given
     are stored, for the forms that read a KV cache where it lies (the key blocks of
     :mod:`flax_attn.core.key_blocks`, and the plain path's block-diagonal queries for keys not
     in that order, :func:`flax_attn.core.numerics.reads_heads_in_place`): ``'BKSH'`` as
     ``(B*K, S, H)`` seen through a transpose
-    (:class:`flax_attn.KVCache`'s default layout), ``'BSKH'`` or None as given. The layers
-    declare their cache's layout around the attention over it; results do not depend on it."""
+    (:class:`flax_attn.KVCache`'s default layout), ``'blocks'`` as ``(S // block, B*K, block,
+    H)`` seen through a transpose (a block-major cache: each block of every unit one contiguous
+    array), ``'BSKH'`` or None as given. The layers declare their cache's layout around the
+    attention over it; results do not depend on it."""
     from flax_attn import _checks
 
-    _checks.check_one_of("keys_stored layout", layout, (None, "BKSH", "BSKH"))
-    token = _KEYS_STORED.set(layout)
+    _checks.check_one_of("keys_stored layout", layout, (None, "BKSH", "BSKH", "blocks"))
+    if (layout == "blocks") != (block is not None):
+        raise ValueError(f"keys_stored: a block size goes with layout 'blocks' and only with it, got layout={layout!r}, "
+                         f"block={block!r}")
+    token = _KEYS_STORED.set((layout, block))
     try:
         yield
     finally:
@@ -193,7 +198,14 @@ def keys_stored(layout: Optional[str]):
 
 def keys_stored_as() -> Optional[str]:
     """The layout declared by :func:`keys_stored` around the attention being traced, or None."""
-    return _KEYS_STORED.get()
+    declared = _KEYS_STORED.get()
+    return None if declared is None else declared[0]
+
+
+def keys_block() -> Optional[int]:
+    """The slots a block of the ``'blocks'`` layout declared by :func:`keys_stored` holds, or None."""
+    declared = _KEYS_STORED.get()
+    return None if declared is None else declared[1]
 
 
 def jit(fun, *, compiler_options: Optional[dict] = None, **jit_kwargs):

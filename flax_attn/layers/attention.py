@@ -45,7 +45,7 @@ from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 from flax_attn.core import mask as mask_lib
 from flax_attn.core import tuning
-from flax_attn.layers.cache import ContextKV, KVCache, combined_mask, one_query_key_positions
+from flax_attn.layers.cache import BLOCK, ContextKV, KVCache, combined_mask, one_query_key_positions
 from flax_attn.layers.common import (ParamSpec, by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
                                      linear_params, norm, norm_params, rms_norm, scale_params, embed_params)
 from flax_attn.positional import alibi as alibi_lib
@@ -232,10 +232,11 @@ class AttentionConfig:
         return (w, 0) if self.causal else (w, w)
 
     def init_cache(self, batch: int, max_len: int, *, dtype=jnp.float32, rolling: bool = False,
-                   layout: str = "BKSH") -> KVCache:
+                   layout: str = "BKSH", block: int = BLOCK) -> KVCache:
         """An empty :class:`KVCache` for this layer, ``S = max_len`` slots: keys stored
         ``(B*K, S, H)`` (``layout='BKSH'``, the default: each head's keys contiguous, read in place
-        when decoding) or ``(B, S, K, H)`` (``'BSKH'``).
+        when decoding), ``(B, S, K, H)`` (``'BSKH'``) or ``(S // block, B*K, block, H)`` (``'blocks'``:
+        a cache much larger than its fill read block by block in place, see :class:`KVCache`).
 
         ``dtype`` must be the dtype of the keys the layer computes (the result type of ``x`` and
         its parameters); a layer given a cache of another dtype raises ``TypeError``. The
@@ -250,7 +251,7 @@ class AttentionConfig:
                 raise ValueError(f"a rolling cache for sliding_window={self.sliding_window}, chunk_size="
                                  f"{self.chunk_size} needs max_len >= {w - 1}, got {max_len}")
         return KVCache.create(batch=batch, max_len=max_len, num_kv_heads=self.kv_heads,
-                              head_dim=self.kv_head_dim, dtype=dtype, rolling=rolling, layout=layout)
+                              head_dim=self.kv_head_dim, dtype=dtype, rolling=rolling, layout=layout, block=block)
 
 
 def _batched_positions(name, positions, batch, length):
@@ -555,7 +556,8 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
     # Llama 4's chunk rule: a query sees keys of its own chunk, position // chunk_size
     chunk = [] if c.chunk_size is None else [mask_lib.chunked(c.chunk_size)]
     mask = combined_mask(chunk, mask, written=written, batch=B)
-    with tuning.keys_stored(cache.layout if cache is not None and in_place else None):
+    declared = (cache.layout, cache.block) if cache is not None and in_place else (None, None)
+    with tuning.keys_stored(*declared):
         out = dot_product_attention(
             q, k, v, bias, mask,
             scale=c.scale, is_causal=c.causal, local_window_size=c.window,
@@ -605,12 +607,12 @@ class Attention(nn.Module):
         declare(self, attention_params(self.config), self.param_dtype)
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None, rolling: bool = False,
-                   layout: str = "BKSH") -> KVCache:
+                   layout: str = "BKSH", block: int = BLOCK) -> KVCache:
         """An empty :class:`KVCache` for this layer (see :meth:`AttentionConfig.init_cache`);
         ``dtype`` defaults to the layer's ``param_dtype``, the dtype of its keys for inputs of
         that dtype or narrower. Callable on the unbound layer: ``layer.init_cache(B, S)``."""
         return self.config.init_cache(batch, max_len, dtype=self.param_dtype if dtype is None else dtype,
-                                      rolling=rolling, layout=layout)
+                                      rolling=rolling, layout=layout, block=block)
 
     def __call__(self, x, positions=None, segment_ids=None, context=None, context_positions=None,
                  context_segment_ids=None, mask=None, cache: Optional[KVCache] = None, *,

@@ -36,8 +36,18 @@ makes no copy of the cache. ``layout='BSKH'`` stores ``(B, S, K, H)``, the order
 however full the cache, where the plain pass would transpose all of it every step (on a CPU
 with AVX-512 both read it where it lies instead, against block-diagonal queries); still
 slower than ``'BKSH'`` once the cache is mostly full (``benchmarks/decode.py`` measures both).
+``layout='blocks'`` stores ``(S // block, B*K, block, H)``: block-major, each block of
+``block`` slots (default :data:`BLOCK`, 128) of every (batch row, key/value head) one
+contiguous array, so that the key blocks read each block in use where it lies, where the
+other layouts' blocks are copied out of the cache first (XLA's CPU matmul reads whole arrays),
+and past half the slots one pass reads every block in place. It is the layout for a cache
+allocated much larger than its fill (a cache sized for the longest generation); once the cache
+is mostly full a ``'BKSH'`` step is faster. Writes are a scatter of each token to its block
+and row, in place when the cache is donated. ``max_len`` must be a whole number of blocks.
+It is a CPU layout: elsewhere (a GPU's decoding kernel, the plain path) the attention reads
+the ``(B, S, K, H)`` view, a transposed copy of the cache at every step.
 The layer declares the layout to the attention (:func:`flax_attn.core.tuning.keys_stored`). :meth:`KVCache.keys` and
-:meth:`KVCache.values` give the ``(B, S, K, H)`` view of either.
+:meth:`KVCache.values` give the ``(B, S, K, H)`` view of any of them.
 
 **Dtype.** The cache holds keys in the dtype the layer computes them in (the result type of
 ``x`` and the parameters). A layer given a cache of another dtype raises ``TypeError`` naming
@@ -64,7 +74,8 @@ from flax_attn import _checks
 from flax_attn.core import mask as mask_lib
 
 
-LAYOUTS = ("BSKH", "BKSH")
+LAYOUTS = ("BSKH", "BKSH", "blocks")
+BLOCK = 128  # slots a block of a layout='blocks' cache holds, by default
 OUT_OF_REACH = 1 << 30  # a key position no causal or window rule admits (positions stay below 2**29)
 
 
@@ -73,8 +84,10 @@ class KVCache:
     """Cached keys and values, positions and segment ids ``(B, S)``, and the fill level.
 
     With ``layout='BKSH'`` (default) keys are ``(B*K, S, H)`` and values ``(B*K, S, Hv)``
-    (batch-major); with ``layout='BSKH'`` keys are ``(B, S, K, H)`` and values ``(B, S, K, Hv)``
-    (:meth:`keys` / :meth:`values` give the ``(B, S, K, H)`` view of either).
+    (batch-major); with ``layout='BSKH'`` keys are ``(B, S, K, H)`` and values ``(B, S, K, Hv)``;
+    with ``layout='blocks'`` keys are ``(S // block, B*K, block, H)`` (block-major; ``block``, a
+    static field, is None for the other layouts) (:meth:`keys` / :meth:`values` give the ``(B,
+    S, K, H)`` view of any).
     ``length`` (int32 scalar) counts the tokens written so far; ``rolling`` (static) says
     whether old slots are overwritten when full.
     """
@@ -86,25 +99,37 @@ class KVCache:
     length: Any
     rolling: bool = flax.struct.field(pytree_node=False, default=False)
     layout: str = flax.struct.field(pytree_node=False, default="BKSH")
+    block: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, *, batch: int, max_len: int, num_kv_heads: int, head_dim: int, value_dim: int | None = None,
-               dtype=jnp.float32, rolling: bool = False, layout: str = "BKSH") -> "KVCache":
+               dtype=jnp.float32, rolling: bool = False, layout: str = "BKSH", block: int = BLOCK) -> "KVCache":
         """An empty cache of ``max_len`` slots (keys and values zero, segment ids -1).
 
         Args:
           batch, max_len, num_kv_heads, head_dim: B, S, K, H. value_dim: Hv (default H).
           dtype: of keys and values; must be the dtype of the keys the layer computes.
           rolling: overwrite the oldest slots when full (sliding-window attention only).
-          layout: ``'BKSH'`` (the default: keys stored ``(B*K, S, H)``, read in place when decoding)
-            or ``'BSKH'`` (keys ``(B, S, K, H)``).
+          layout: ``'BKSH'`` (the default: keys stored ``(B*K, S, H)``, read in place when decoding),
+            ``'BSKH'`` (keys ``(B, S, K, H)``) or ``'blocks'`` (keys ``(S // block, B*K, block, H)``:
+            each block of slots one contiguous array, read in place block by block).
+          block: slots per block of a ``'blocks'`` cache (default ``BLOCK``); ``max_len`` must be a
+            multiple of it (``ValueError`` naming both otherwise).
         """
         for name, v in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             _checks.check_positive_int(name, v)
         _checks.check_one_of("layout", layout, LAYOUTS)
         value_dim = head_dim if value_dim is None else value_dim
-        shape = (lambda h: (batch, max_len, num_kv_heads, h)) if layout == "BSKH" else \
-            (lambda h: (batch * num_kv_heads, max_len, h))
+        if layout == "blocks":
+            _checks.check_positive_int("block", block)
+            if max_len % block:
+                raise ValueError(f"a layout='blocks' cache holds whole blocks: max_len={max_len} is not a multiple of "
+                                 f"block={block} (take max_len={-(-max_len // block) * block}, or another block)")
+            shape = lambda h: (max_len // block, batch * num_kv_heads, block, h)
+        elif layout == "BSKH":
+            shape = lambda h: (batch, max_len, num_kv_heads, h)
+        else:
+            shape = lambda h: (batch * num_kv_heads, max_len, h)
         return cls(
             key=jnp.zeros(shape(head_dim), dtype),
             value=jnp.zeros(shape(value_dim), dtype),
@@ -113,11 +138,12 @@ class KVCache:
             length=jnp.zeros((), jnp.int32),
             rolling=rolling,
             layout=layout,
+            block=block if layout == "blocks" else None,
         )
 
     @property
     def max_len(self) -> int:
-        return self.key.shape[1]  # the slots' axis in both layouts
+        return self.positions.shape[1]
 
     @property
     def dtype(self):
@@ -127,11 +153,15 @@ class KVCache:
         if self.layout == "BSKH":
             return x
         B = self.positions.shape[0]
+        if self.layout == "blocks":  # (S/c, B*K, c, h) -> (B, S, K, h)
+            n, U, c, h = x.shape
+            return x.reshape(n, B, U // B, c, h).transpose(1, 0, 3, 2, 4).reshape(B, n * c, U // B, h)
         return jnp.swapaxes(x.reshape((B, x.shape[0] // B) + x.shape[1:]), 1, 2)
 
     def _stored(self, x):
-        """New entries ``(B, T, K, H)`` in the cache's layout."""
-        if self.layout == "BSKH":
+        """New entries ``(B, T, K, H)`` in the cache's layout (as given for ``'blocks'``, written by
+        :meth:`_put_blocks`)."""
+        if self.layout in ("BSKH", "blocks"):
             return x
         B, T, K, H = x.shape
         return jnp.swapaxes(x, 1, 2).reshape(B * K, T, H)
@@ -208,6 +238,11 @@ class KVCache:
             def scatter(buf, new):
                 return buf.at[:, slots].set(new[:, T - keep:].astype(buf.dtype))
 
+            if self.layout == "blocks":
+                return self.replace(key=self._put_blocks(self.key, key, slots, T - keep),
+                                    value=self._put_blocks(self.value, value, slots, T - keep),
+                                    positions=scatter(self.positions, positions),
+                                    segment_ids=scatter(self.segment_ids, segment_ids), length=self.length + T)
             return self.replace(key=scatter(self.key, key), value=scatter(self.value, value),
                                 positions=scatter(self.positions, positions),
                                 segment_ids=scatter(self.segment_ids, segment_ids), length=self.length + T)
@@ -215,9 +250,23 @@ class KVCache:
         def write(buf, new):
             return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, axis=1)
 
-        return self.replace(key=write(self.key, key), value=write(self.value, value),
+        if self.layout == "blocks":
+            slots = start + jnp.arange(T)
+            key, value = self._put_blocks(self.key, key, slots, 0), self._put_blocks(self.value, value, slots, 0)
+        else:
+            key, value = write(self.key, key), write(self.value, value)
+        return self.replace(key=key, value=value,
                             positions=write(self.positions, positions),
                             segment_ids=write(self.segment_ids, segment_ids), length=self.length + T)
+
+    def _put_blocks(self, buf, new, slots, first: int):
+        """``buf`` ``(S/c, B*K, c, h)`` with tokens ``first..`` of ``new`` ``(B, T, K, h)`` written
+        at ``slots`` (one per token): slot s is row ``s % c`` of block ``s // c`` (a scatter,
+        in place when the cache is donated)."""
+        B, T, K, h = new.shape
+        c = self.block
+        units = jnp.swapaxes(new[:, first:], 1, 2).reshape(B * K, T - first, h)
+        return buf.at[slots // c, :, slots % c].set(jnp.swapaxes(units, 0, 1).astype(buf.dtype))
 
     def truncate(self, length) -> "KVCache":
         """The cache holding only its first ``length`` tokens (a linear cache): the rest emptied.
@@ -249,8 +298,14 @@ def truncate_slots(cache, length, **fills):
                           length=length, cached=cache.length)
     keep = jnp.arange(cache.max_len) < length
 
+    block = getattr(cache, "block", None)
+
     def empty(buf, fill):
-        return jnp.where(keep.reshape((1, -1) + (1,) * (buf.ndim - 2)), buf, jnp.asarray(fill, buf.dtype))
+        if block is not None and buf.ndim == 4:  # a 'blocks' layout's keys or values, (S/c, B*K, c, h)
+            shape = (buf.shape[0], 1, block, 1)
+        else:  # slots on axis 1
+            shape = (1, -1) + (1,) * (buf.ndim - 2)
+        return jnp.where(keep.reshape(shape), buf, jnp.asarray(fill, buf.dtype))
 
     return cache.replace(length=length, **{name: empty(getattr(cache, name), fill) for name, fill in fills.items()})
 

@@ -24,7 +24,7 @@ from flax import nnx
 from flax_attn.layers import attention as linen_attention
 from flax_attn.layers import positional as linen_positional
 from flax_attn.layers.attention import AttentionConfig, attention_forward, attention_params, context_kv_forward
-from flax_attn.layers.cache import ContextKV, KVCache
+from flax_attn.layers.cache import BLOCK, ContextKV, KVCache
 from flax_attn.layers.positional import learned_positions_forward, learned_positions_params
 from flax_attn.nnx.common import Dropout, declare, params_of
 
@@ -66,11 +66,11 @@ class Attention(Dropout, nnx.Module):
         self._init_dropout(config.dropout, deterministic, rngs)
 
     def init_cache(self, batch: int, max_len: int, *, dtype=None, rolling: bool = False,
-                   layout: str = "BKSH") -> KVCache:
+                   layout: str = "BKSH", block: int = BLOCK) -> KVCache:
         """An empty :class:`KVCache` for this layer (see :meth:`flax_attn.AttentionConfig.init_cache`);
         ``dtype`` defaults to the layer's ``param_dtype``."""
         return self.config.init_cache(batch, max_len, dtype=self.param_dtype if dtype is None else dtype,
-                                      rolling=rolling, layout=layout)
+                                      rolling=rolling, layout=layout, block=block)
 
     def __call__(self, x, positions=None, segment_ids=None, context=None, context_positions=None,
                  context_segment_ids=None, mask=None, cache: Optional[KVCache] = None, *,

@@ -143,6 +143,9 @@ def test_keys_stored_takes_a_layout_and_ends_with_its_block():
             assert tuning.keys_stored_as() is None
         assert tuning.keys_stored_as() == "BKSH"
     assert tuning.keys_stored_as() is None
-    with pytest.raises(ValueError, match=r"keys_stored layout must be one of \[None, 'BKSH', 'BSKH'\], got 'bksh'"):
+    with tuning.keys_stored("blocks", 128):
+        assert tuning.keys_stored_as() == "blocks" and tuning.keys_block() == 128
+    assert tuning.keys_block() is None
+    with pytest.raises(ValueError, match=r"keys_stored layout must be one of \[None, 'BKSH', 'BSKH', 'blocks'\], got 'bksh'"):
         with tuning.keys_stored("bksh"):
             pass

@@ -60,6 +60,90 @@ def test_bksh_layout_decodes_like_the_full_pass(cfg):
     np.testing.assert_array_equal(rolled.keys()[:, :5], caches["BSKH"].key[:, :5])
 
 
+@pytest.mark.parametrize("cfg", [{"num_kv_heads": 2}, {"num_kv_heads": 1, "sliding_window": 3}],
+                         ids=["gqa", "mqa-window"])
+def test_blocks_layout_decodes_like_the_full_pass(cfg):
+    """A ``layout='blocks'`` cache, ``(S // block, B*K, block, H)``: a prompt, a chunk of three
+    and single tokens, Linen and NNX, give the full pass's outputs; its keys and values read as
+    the default layout's; the fill passes half the slots, so both the blocks visited one by one
+    and the one pass over all of them run; a rolling ring and ``truncate`` work the same way."""
+    config, layer, params, x, positions = _setup(cfg)
+    full = layer.apply(params, x, positions)
+    H = D // N
+    blocks, bksh = layer.init_cache(2, 16, layout="blocks", block=4), layer.init_cache(2, 16)
+    assert blocks.key.shape == (4, 2 * config.kv_heads, 4, H) and blocks.max_len == 16
+    outs = {}
+    for name, cache in (("blocks", blocks), ("BKSH", bksh)):
+        pieces = []
+        for a, b in ((0, 4), (4, 7), (7, 8), (8, 9), (9, 10)):
+            out, cache = layer.apply(params, x[:, a:b], positions[:, a:b], cache=cache)
+            pieces.append(out)
+        outs[name] = cache
+        assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, f"{name} cache decode vs full pass")
+    np.testing.assert_array_equal(outs["blocks"].keys(), outs["BKSH"].keys())
+    np.testing.assert_array_equal(outs["blocks"].values(), outs["BKSH"].values())
+    # derivatives of a step over either cache agree (a fill past half: the one pass over all blocks)
+    grads = {name: jax.grad(lambda p, xs, c=c: jnp.sum(layer.apply(p, xs, positions[:, 9:], cache=c)[0] ** 2),
+                            argnums=(0, 1))(params, x[:, 9:])
+             for name, c in (("blocks", outs["blocks"].truncate(9)), ("BKSH", outs["BKSH"].truncate(9)))}
+    for got, want in zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(grads["BKSH"])):
+        assert_close(got, want, np.float32, "gradient of a step over a blocks cache")
+    rolled = outs["blocks"].truncate(5)
+    np.testing.assert_array_equal(rolled.keys(), outs["BKSH"].truncate(5).keys())
+    out, _ = layer.apply(params, x[:, 5:6], positions[:, 5:6], cache=rolled)
+    assert_close(out, full[:, 5:6], np.float32, "a step after truncate(5)")
+    twin = fa.nnx.Attention(config, rngs=nnx.Rngs(0))
+    nnx.update(twin, nnx.State(params["params"]))
+    cache = twin.init_cache(2, 16, layout="blocks", block=4)
+    out, cache = twin(x[:, :9], positions[:, :9], cache=cache)
+    out, cache = twin(x[:, 9:], positions[:, 9:], cache=cache)
+    assert_close(out, full[:, 9:], np.float32, "NNX blocks cache step")
+    if config.sliding_window:
+        ring = layer.init_cache(2, 4, rolling=True, layout="blocks", block=2)
+        pieces = []
+        for a, b in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9), (9, 10)):
+            out, ring = layer.apply(params, x[:, a:b], positions[:, a:b], cache=ring)
+            pieces.append(out)
+        assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, "rolling blocks decode vs full pass")
+
+
+def test_blocks_layout_steps_read_and_write_the_cache_in_place():
+    """A donated step over a ``'blocks'`` cache writes its buffers in place, and its compiled
+    program makes no array of the cache's size but the in-place update: no copy, transpose or
+    concatenation of the keys or values, in either the blocks visited one by one or the one
+    pass over all of them."""
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2}, T=13)
+    B, S, c, K, H = 2, 16, 4, 2, D // N
+    step = fa.decode_step(layer)
+    for fill in (3, 11):  # below and above half of the 16 slots
+        cache = layer.init_cache(B, S, layout="blocks", block=c)
+        out, cache = step(params, cache, x[:, :fill], positions[:, :fill])
+        pointer = cache.key.unsafe_buffer_pointer()
+        before = cache
+        out, cache = step(params, cache, x[:, fill:fill + 1], positions[:, fill:fill + 1])
+        assert before.key.is_deleted() and cache.key.unsafe_buffer_pointer() == pointer
+        hlo = step.jitted.lower(params, cache, x[:, :1], positions[:, fill + 1:fill + 2], None).compile().as_text()
+        sized = {f"f32[{S // c},{B * K},{c},{H}]", f"f32[{B},{S},{K},{H}]", f"f32[{B * K},{S},{H}]",
+                 f"f32[{B},{S // c},{c},{K},{H}]", f"f32[{B * K},{S // c},{c},{H}]"}
+        made = [(shape, op, name) for name, shape, op in re.findall(r"%(\S+) = (f32\[[\d,]+\])\S* ([\w-]+)\(", hlo)
+                if shape in sized]
+        assert made, "the cache's arrays are in the program"
+        for shape, op, name in made:
+            assert op in ("parameter", "get-tuple-element", "tuple", "bitcast", "dynamic-update-slice", "scatter") or (
+                op == "fusion" and ("dynamic-update-slice" in name or "scatter" in name)), (shape, op, name)
+
+
+def test_blocks_layout_needs_whole_blocks():
+    with pytest.raises(ValueError, match=r"max_len=10 is not a multiple of block=4 \(take max_len=12"):
+        fa.KVCache.create(batch=1, max_len=10, num_kv_heads=1, head_dim=8, layout="blocks", block=4)
+    with pytest.raises(ValueError, match="block"):
+        fa.KVCache.create(batch=1, max_len=8, num_kv_heads=1, head_dim=8, layout="blocks", block=0)
+    from flax_attn.core import tuning
+    with pytest.raises(ValueError, match="a block size goes with layout 'blocks'"):
+        with tuning.keys_stored("blocks"):
+            pass
+
+
 def test_decode_step_linen_jits_once_and_updates_in_place(monkeypatch):
     from flax_attn.layers import attention
 
@@ -204,11 +288,12 @@ def test_benchmark_rows_and_report():
     from benchmarks import decode as bench  # the repository root is on sys.path (conftest.py)
 
     rows = bench.cell(batch=1, prefix=64, repeats=1)
-    assert {"flax_attn BKSH", "flax_attn BSKH", "torch eager"} <= {r["contender"] for r in rows}
+    assert {"flax_attn BKSH", "flax_attn BSKH", "flax_attn blocks", "torch eager"} <= {r["contender"] for r in rows}
     assert min(r["ratio_vs_torch"] for r in rows if r["contender"].startswith("torch")) == 1.0
     floor = 4 * 768 * 768 * 4 + 2 * 64 * 768 * 4  # the weights and the 64 cached keys and values, float32
     assert all(r["ms_per_step"] > 0 and floor < r["floor_bytes_per_step"] < floor + 2 * 16 * 768 * 4 for r in rows)
-    assert "| 1 | 64 | 90 | 12 | 1 | torch eager |" in bench.report(rows)  # 64 + 2 x (1 + 2) rounds x 4 steps + 2 slots
+    # 64 + 2 x (1 + 2) rounds x 4 steps + 2 = 90 slots, rounded up to one block of 128
+    assert "| 1 | 64 | 128 | 12 | 1 | torch eager |" in bench.report(rows)
     # a cache of 2048 slots holding about 64 tokens: the layer's step visits key blocks (4 of 512:
     # the automatic choice), and agrees with PyTorch before anything is timed
     sparse = bench.cell(batch=1, prefix=64, repeats=1, capacity=2048)
@@ -218,7 +303,7 @@ def test_benchmark_rows_and_report():
     grouped = bench.cell(batch=1, prefix=64, repeats=1, kv_heads=2)
     floor = (2 * 768 * 768 + 2 * 768 * 128) * 4 + 2 * 64 * 128 * 4
     assert all(floor < r["floor_bytes_per_step"] < floor + 2 * 16 * 128 * 4 for r in grouped)
-    assert "| 1 | 64 | 90 | 2 | 1 | flax_attn BKSH |" in bench.report(grouped)
+    assert "| 1 | 64 | 128 | 2 | 1 | flax_attn BKSH |" in bench.report(grouped)
     # chunks of 8 tokens a step, causal among themselves, against PyTorch's explicit mask: the
     # floor is per step (the weights and the cache read once for the chunk), a token's share of it
     chunks = bench.cell(batch=1, prefix=64, repeats=1, capacity=1024, tokens=8)
