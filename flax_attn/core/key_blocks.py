@@ -303,7 +303,7 @@ class KeyBlocks(Implementation):
             p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
             l = jnp.sum(p, axis=-1, keepdims=True)
             pb = jnp.moveaxis(p.reshape(U, R, n, c), 2, 0)  # (n, U, R, c)
-            o = jnp.sum(lax.dot_general(pb, vb.astype(acc), (((3,), (2,)), ((0, 1), (0, 1))),
+            o = jnp.sum(lax.dot_general(pb.astype(vb.dtype), vb, (((3,), (2,)), ((0, 1), (0, 1))),
                                         precision=call.precision, preferred_element_type=acc), axis=0)
             return _normalized(m, l, o, query.dtype, B, K, G, T)
 

@@ -261,12 +261,16 @@ class KVCache:
 
     def _put_blocks(self, buf, new, slots, first: int):
         """``buf`` ``(S/c, B*K, c, h)`` with tokens ``first..`` of ``new`` ``(B, T, K, h)`` written
-        at ``slots`` (one per token): slot s is row ``s % c`` of block ``s // c`` (a scatter,
-        in place when the cache is donated)."""
+        at ``slots`` (one per token): slot s is row ``s % c`` of block ``s // c`` (one token: a
+        dynamic update slice; more: a scatter, which XLA's CPU runtime computes in float32 for
+        narrower caches; either in place when the cache is donated)."""
         B, T, K, h = new.shape
         c = self.block
-        units = jnp.swapaxes(new[:, first:], 1, 2).reshape(B * K, T - first, h)
-        return buf.at[slots // c, :, slots % c].set(jnp.swapaxes(units, 0, 1).astype(buf.dtype))
+        units = jnp.swapaxes(jnp.swapaxes(new[:, first:], 1, 2).reshape(B * K, T - first, h), 0, 1).astype(buf.dtype)
+        if T - first == 1:  # a decoding step: one slot, an update in place in the cache's own dtype
+            slot = slots[0]
+            return jax.lax.dynamic_update_slice(buf, units.reshape(1, B * K, 1, h), (slot // c, 0, slot % c, 0))
+        return buf.at[slots // c, :, slots % c].set(units)
 
     def truncate(self, length) -> "KVCache":
         """The cache holding only its first ``length`` tokens (a linear cache): the rest emptied.
