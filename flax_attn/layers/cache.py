@@ -42,8 +42,9 @@ contiguous array, so that the key blocks read each block in use where it lies, w
 other layouts' blocks are copied out of the cache first (XLA's CPU matmul reads whole arrays),
 and past half the slots one pass reads every block in place. It is the layout for a cache
 allocated much larger than its fill (a cache sized for the longest generation); once the cache
-is mostly full a ``'BKSH'`` step is faster. Writes are a scatter of each token to its block
-and row, in place when the cache is donated. ``max_len`` must be a whole number of blocks.
+is mostly full a ``'BKSH'`` step is faster. A token is written to its block and row (one
+token: a dynamic update slice; more: a scatter), in place when the cache is donated.
+``max_len`` must be a whole number of blocks.
 It is a CPU layout: elsewhere (a GPU's decoding kernel, the plain path) the attention reads
 the ``(B, S, K, H)`` view, a transposed copy of the cache at every step.
 The layer declares the layout to the attention (:func:`flax_attn.core.tuning.keys_stored`). :meth:`KVCache.keys` and
