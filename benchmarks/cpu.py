@@ -58,6 +58,20 @@ def kind() -> str:
     return f"{name()} ({', '.join(parts)})"
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of CPU 0 (the L3 on the CPUs measured) in bytes, from Linux sysfs;
+    32 MiB where it cannot be read."""
+    from flax_attn.core import tuning
+
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            sizes.append(tuning._parse_size((index / "size").read_text()) or 0)
+        except OSError:
+            pass
+    return max(sizes, default=0) or 32 << 20
+
+
 def slug() -> str:
     """:func:`name` lowercased for file names, spaces to dashes, without (R)/(TM), and the family
     and model where known: ``amd-epyc-family26-model2``."""

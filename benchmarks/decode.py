@@ -9,7 +9,17 @@ tokens a step (a prompt fed in pieces, or draft tokens to verify) after 1024 cac
 8192 slots, each chunk's queries causal among themselves.
 
 Contenders, timed in turns in one process (every round runs each once, in a new random order;
-medians of ``repeats`` rounds of ``STEPS`` steps each):
+medians over ``repeats * STEPS`` rounds of one step each). **Each step starts cold**: before it
+the benchmark reads a buffer of twice the CPU's last-level cache (:data:`EVICT_TIMES`), outside
+the step's time, so that the layer's weights and cache come from memory, as in a model whose
+other layers pass through the CPU's caches between two steps of this one. What stays in the
+caches otherwise depends on what else runs: on a 2-core AMD EPYC of family 26 (32 MiB L3),
+batch 1 after 1,024 tokens, PyTorch eager took 1.29 ms a step cold, 0.72 ms in rounds of four
+steps in turns with the three flax_attn layouts, and 0.31-0.32 ms with only one of them in
+turns (its weights and cache resident in the L3), where ``fa.decode_step`` with a ``'BKSH'``
+cache took 0.89, 0.58 and 0.40-0.44 ms (warm, its step is bound by XLA's runtime, not by
+memory). ``--warm`` (``timed_rows(..., cold=False)``) times rounds of
+``STEPS`` steps without the reads.
 
 * ``flax_attn BKSH``: ``fa.decode_step(layer)`` (one ``jax.jit``, the cache donated) with the default
   ``layout='BKSH'`` cache (keys stored ``(B*K, S, H)``);
@@ -33,10 +43,12 @@ floats at fill level L); ``GB/s`` is that floor over the measured time.
 
     python -m benchmarks.decode            # prints the table, writes benchmarks/results/decode-<cpu>.json
     python -m benchmarks.decode --quick    # prefix 1024 only, fewer rounds
+    python -m benchmarks.decode --warm     # rounds of STEPS steps back to back, nothing evicted
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -47,7 +59,8 @@ import numpy as np
 from benchmarks import cpu
 
 D_MODEL, HEADS, THETA = 768, 12, 10000.0
-STEPS = 4          # decode steps per timed call
+STEPS = 4          # decode steps per timed call with the caches warm (timed_rows(cold=False), benchmarks.decode_gpu)
+EVICT_TIMES = 2    # a cold step is preceded by reading this many times the CPU's last-level cache
 BATCHES = (1, 8)
 PREFIXES = (1024, 8192)
 # A cache allocated for the longest generation holds fewer tokens early on: 1024 in 8192 slots
@@ -108,8 +121,9 @@ def _torch_layer_class():
     return TorchDecodeLayer
 
 
-def time_in_turns(fns: dict, repeats: int, warmup: int = 1) -> dict:
-    """Median seconds of each zero-argument function, every round in a new random order."""
+def time_in_turns(fns: dict, repeats: int, warmup: int = 1, before=None) -> dict:
+    """Median seconds of each zero-argument function, every round in a new random order;
+    ``before()``, if given, runs before each timed call, outside its time."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -117,6 +131,8 @@ def time_in_turns(fns: dict, repeats: int, warmup: int = 1) -> dict:
     order, names = np.random.default_rng(0), list(fns)
     for _ in range(repeats):
         for name in order.permutation(names):
+            if before is not None:
+                before()
             start = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - start)
@@ -174,11 +190,25 @@ def torch_steps(twin, x, prefix: int):
     return run
 
 
-def timed_rows(flax_runs: dict, torch_run, repeats: int, floor: float, **cell_fields) -> list[dict]:
+def evictor():
+    """``evict()``: reads a buffer of :data:`EVICT_TIMES` times the CPU's last-level cache, so
+    that what the next call reads comes from memory; ``evict.nbytes``: the buffer's size."""
+    junk = np.ones(EVICT_TIMES * cpu.last_level_cache_bytes() // 4, np.float32)
+
+    def evict():
+        return float(junk.sum())
+
+    evict.nbytes = junk.nbytes
+    return evict
+
+
+def timed_rows(flax_runs: dict, torch_run, repeats: int, floor: float, cold: bool = True, **cell_fields) -> list[dict]:
     """Check that every flax_attn contender's first step agrees with PyTorch's (relative 1e-4),
     time them all in turns (PyTorch also with one thread when it has more), and return one
     row per contender: ``cell_fields``, time per step and per token, the memory ``floor``
-    (bytes a step must read), GB/s and the ratio to the faster PyTorch row."""
+    (bytes a step must read), GB/s and the ratio to the faster PyTorch row. ``cold``: each of
+    ``repeats * STEPS`` rounds times one step after :func:`evictor`'s read (the row's
+    ``evicted_mib``); else ``repeats`` rounds of ``STEPS`` steps back to back (0)."""
     import torch
 
     ref = torch_run(1)
@@ -187,25 +217,31 @@ def timed_rows(flax_runs: dict, torch_run, repeats: int, floor: float, **cell_fi
         err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
         if not err <= 1e-4:
             raise AssertionError(f"{name} and torch eager disagree on the first step: relative error {err:.1e}")
-    fns = dict(flax_runs, **{"torch eager": torch_run})
+    steps = 1 if cold else STEPS
+    fns = {name: functools.partial(run, steps) for name, run in flax_runs.items()}
+    fns["torch eager"] = functools.partial(torch_run, steps)
     if torch.get_num_threads() > 1:  # on a shared machine one thread can beat several: the faster one is the peer
-        fns["torch eager 1 thread"] = lambda: torch_run(num_threads=1)
-    seconds = time_in_turns(fns, repeats)
-    torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / STEPS
+        fns["torch eager 1 thread"] = functools.partial(torch_run, steps, num_threads=1)
+    evict = evictor() if cold else None
+    seconds = time_in_turns(fns, repeats * STEPS // steps, before=evict)
+    torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / steps
     B, tokens = cell_fields["batch"], cell_fields.get("tokens", 1)
     rows = []
     for name, s in seconds.items():
-        step_s = s / STEPS
-        rows.append({"contender": name, **cell_fields, "ms_per_step": step_s * 1e3, "ms_per_token": step_s * 1e3 / (B * tokens),
+        step_s = s / steps
+        rows.append({"contender": name, **cell_fields, "evicted_mib": evict.nbytes / 2**20 if cold else 0,
+                     "ms_per_step": step_s * 1e3, "ms_per_token": step_s * 1e3 / (B * tokens),
                      "floor_bytes_per_step": floor, "floor_bytes_per_token": floor / (B * tokens),
                      "gb_per_s": floor / step_s / 1e9, "ratio_vs_torch": step_s / torch_step})
     return rows
 
 
-def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int = HEADS, tokens: int = 1) -> list[dict]:
+def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int = HEADS, tokens: int = 1,
+         cold: bool = True) -> list[dict]:
     """Time one (batch, prefix) cell; one row per contender. ``capacity``: the caches' slots
     (both sides), at least what the cell's steps need; ``kv_heads``: key/value heads (fewer
-    than the 12 query heads: grouped-query attention); ``tokens``: new tokens a step."""
+    than the 12 query heads: grouped-query attention); ``tokens``: new tokens a step; ``cold``:
+    see :func:`timed_rows`."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -245,12 +281,12 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
     fill = prefix + tokens * (1 + (repeats + 1) * STEPS // 2)  # the fill level at the middle of the run
     floor = (2 * D * D + 2 * D * K * H) * 4 + 2 * B * fill * K * H * 4
     return timed_rows({f"flax_attn {layout}": flax_contender(layout) for layout in ("BKSH", "BSKH", "blocks")},
-                      torch_steps(twin, x, prefix), repeats, floor,
+                      torch_steps(twin, x, prefix), repeats, floor, cold,
                       batch=B, prefix=prefix, capacity=max_len, kv_heads=K, tokens=tokens)
 
 
 def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, grouped=GROUPED,
-        chunks=CHUNKS) -> list[dict]:
+        chunks=CHUNKS, cold: bool = True) -> list[dict]:
     """Every (batch, prefix) cell, each contender timed in turns, then the ``sparse`` (prefix,
     capacity) cells: a cache allocated for more tokens than it holds, then the ``grouped``
     (prefix, key/value heads) cells, then the ``chunks`` (prefix, capacity, tokens a step)
@@ -258,7 +294,7 @@ def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, gr
     cells = ([(p, 0, HEADS, 1) for p in prefixes] + [(p, c, HEADS, 1) for p, c in sparse]
              + [(p, 0, k, 1) for p, k in grouped] + [(p, c, HEADS, t) for p, c, t in chunks])
     return [row for prefix, capacity, kv_heads, tokens in cells for batch in batches
-            for row in cell(batch, prefix, repeats, capacity, kv_heads, tokens)]
+            for row in cell(batch, prefix, repeats, capacity, kv_heads, tokens, cold)]
 
 
 def machine() -> dict:
@@ -274,7 +310,7 @@ def report(rows: list[dict], title: str = TITLE) -> str:
     step and per token, memory floor, GB/s, ratio to the faster PyTorch eager row of the cell
     (below 1.0: faster than PyTorch), under ``title`` and the machine."""
     m = machine()
-    lines = [f"{title}; CPU {m['cpu']} ({m['cores']} cores, shared: load {m['load_1_5_15']})", "",
+    lines = [f"{title}; CPU {m['cpu']} ({m['cores']} cores, shared: load {m['load_1_5_15']}); {timing(rows)}", "",
              "| batch | prefix | cache slots | kv heads | tokens/step | contender | ms/step | ms/token | floor MB/step | GB/s | vs torch |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -285,22 +321,38 @@ def report(rows: list[dict], title: str = TITLE) -> str:
     return "\n".join(lines)
 
 
+def timing(rows: list[dict]) -> str:
+    """How the rows' steps were timed, in words."""
+    mib = {r.get("evicted_mib", 0) for r in rows}
+    if mib == {0}:
+        return f"rounds of {STEPS} steps, caches warm"
+    return f"each step cold ({', '.join(f'{m:g}' for m in sorted(mib))} MiB read before it)"
+
+
+def write(out: Path, rows: list[dict], repeats: int) -> None:
+    """A result file: the machine, the rounds and the rows."""
+    cold = any(r.get("evicted_mib", 0) for r in rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "repeats": repeats, "steps_per_round": 1 if cold else STEPS,
+                               "rounds": repeats * STEPS if cold else repeats, "timing": timing(rows),
+                               "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="prefix 1024 only, 8 rounds")
+    parser.add_argument("--warm", action="store_true",
+                        help="rounds of STEPS steps back to back, the caches warm (default: each step cold)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     prefixes = (1024,) if args.quick else PREFIXES
     repeats = 8 if args.quick else args.repeats
     rows = run(repeats, prefixes=prefixes, sparse=() if args.quick else SPARSE, grouped=() if args.quick else GROUPED,
-               chunks=() if args.quick else CHUNKS)
+               chunks=() if args.quick else CHUNKS, cold=not args.warm)
     print(report(rows))
-    out = args.out or Path(__file__).parent / "results" / f"decode-{cpu.slug()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "repeats": repeats, "steps_per_round": STEPS,
-                               "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out}")
+    write(args.out or Path(__file__).parent / "results" / f"decode-{cpu.slug()}.json", rows, repeats)
 
 
 if __name__ == "__main__":

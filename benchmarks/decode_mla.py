@@ -32,13 +32,12 @@ cached latents at the fill level.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks import cpu
-from benchmarks.decode import STEPS, filled, flax_steps, machine, report, timed_rows, torch_steps
+from benchmarks.decode import STEPS, filled, flax_steps, machine, report, timed_rows, torch_steps, write
 
 SHAPES = dict(d_model=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 THETA = 10000.0
@@ -158,11 +157,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     rows = run(args.repeats)
     print(report(rows, TITLE))
-    out = args.out or Path(__file__).parent / "results" / f"decode-mla-{cpu.slug()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "repeats": args.repeats, "steps_per_round": STEPS,
-                               "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out}")
+    write(args.out or Path(__file__).parent / "results" / f"decode-mla-{cpu.slug()}.json", rows, args.repeats)
 
 
 if __name__ == "__main__":

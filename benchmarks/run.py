@@ -25,7 +25,9 @@
    decoding step (``fa.decode_step``) against PyTorch eager with a preallocated cache, batch 1
    and 8, prefixes 1k and 8k, 1k in a cache of 8k slots, and chunks of 32 tokens a step
    there (:mod:`benchmarks.decode`); and an
-   absorbed multi-head latent attention step against PyTorch eager (:mod:`benchmarks.decode_mla`).
+   absorbed multi-head latent attention step against PyTorch eager (:mod:`benchmarks.decode_mla`);
+   each of those steps timed cold, after a read that evicts the CPU's caches (as in a model of
+   many layers; :mod:`benchmarks.decode` says why).
 
 Writes benchmarks/results/<machine>.json and .png, and prints the tables. No assertions: the
 ratios are printed; targets are judged by reading them.

@@ -20,6 +20,7 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
+from benchmarks.decode import timing
 from benchmarks.run import PEER, layer_flops
 
 
@@ -109,8 +110,8 @@ def tables(results: dict) -> str:
     other file is a ``ValueError`` saying which files are read."""
     if "rows" in results and isinstance(results.get("machine"), dict) and "cpu" in results["machine"]:
         m = results["machine"]
-        return (f"{m['cpu']}, {m['cores']} cores, load {m['load_1_5_15']}; {results['repeats']} rounds of "
-                f"{results['steps_per_round']} steps:\n\n" + decode_table(results["rows"]))
+        rounds = results.get("timing") or f"{results['repeats']} rounds of {results['steps_per_round']} steps"
+        return f"{m['cpu']}, {m['cores']} cores, load {m['load_1_5_15']}; {rounds}:\n\n" + decode_table(results["rows"])
     if "gpt2_layer_config" not in results:
         raise ValueError("not a result file of benchmarks.run, benchmarks.decode or benchmarks.decode_mla "
                          f"(its keys: {sorted(results)}); benchmarks.parallel and benchmarks.decode_gpu print their "
@@ -123,10 +124,11 @@ def tables(results: dict) -> str:
     if "length_sweep" in results:
         parts.append("Attention core, length sweep (forward / forward+backward):\n\n" + sweep_table(results))
     if "decode_vs_torch" in results:
-        parts.append("Decoding step against PyTorch eager:\n\n" + decode_table(results["decode_vs_torch"]))
+        parts.append(f"Decoding step against PyTorch eager ({timing(results['decode_vs_torch'])}):\n\n"
+                     + decode_table(results["decode_vs_torch"]))
     if "decode_mla_vs_torch" in results:
-        parts.append("Absorbed latent attention decoding step against PyTorch eager:\n\n"
-                     + decode_table(results["decode_mla_vs_torch"]))
+        parts.append(f"Absorbed latent attention decoding step against PyTorch eager "
+                     f"({timing(results['decode_mla_vs_torch'])}):\n\n" + decode_table(results["decode_mla_vs_torch"]))
     if "decoding" in results:
         d = results["decoding"]
         parts.append(f"Cached generation after {d['prefix']:,} tokens: {d['cached_s_per_token'] * 1e3:.2f} ms a token "

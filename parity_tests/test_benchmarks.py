@@ -99,3 +99,43 @@ def test_tables_print_the_result_files_figures():
     assert [l.rsplit("|", 2)[1].strip() for l in decode_lines] == [f"{r['ratio_vs_torch']:.2f}x" for r in firsts]
     with pytest.raises(ValueError, match="not a result file"):
         tables.tables(json.loads((results / "parallel-amd-epyc-family26-model2.json").read_text()))
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_decode_steps_are_timed_cold_by_default(monkeypatch, cold):
+    """``benchmarks.decode.timed_rows``: cold, every timed call is one step, preceded by one
+    read of the eviction buffer outside its time, and the rows say how much was read; warm,
+    rounds of ``STEPS`` steps and nothing read. The rows' times are per step either way."""
+    import numpy as np
+
+    from benchmarks import decode
+
+    calls, reads = [], []
+    monkeypatch.setattr(decode.cpu, "last_level_cache_bytes", lambda: 1 << 20)
+    real = decode.evictor
+
+    def counting():
+        evict = real()
+        counted = lambda: (reads.append(len(calls)), evict())[1]
+        counted.nbytes = evict.nbytes
+        return counted
+
+    monkeypatch.setattr(decode, "evictor", counting)
+
+    def run(n=decode.STEPS, num_threads=None):
+        calls.append(n)
+        return np.ones(3)
+
+    rows = decode.timed_rows({"flax_attn BKSH": run}, run, repeats=3, floor=1e6, cold=cold, batch=1)
+    contenders = {r["contender"] for r in rows}
+    timed = calls[2 + len(contenders):]  # after the agreement check (2 calls) and one warm-up call per contender
+    assert contenders >= {"flax_attn BKSH", "torch eager"}
+    assert len(timed) == len(contenders) * (3 * decode.STEPS if cold else 3)
+    assert set(timed) == {1 if cold else decode.STEPS}
+    if cold:
+        assert len(reads) == len(timed) and all(r["evicted_mib"] == 2 for r in rows)  # EVICT_TIMES x 1 MiB
+        assert "each step cold (2 MiB read before it)" in decode.timing(rows)
+    else:
+        assert reads == [] and all(r["evicted_mib"] == 0 for r in rows)
+        assert decode.timing(rows) == f"rounds of {decode.STEPS} steps, caches warm"
+    assert all(r["ms_per_step"] > 0 for r in rows)

@@ -236,7 +236,7 @@ class AttentionConfig:
         """An empty :class:`KVCache` for this layer, ``S = max_len`` slots: keys stored
         ``(B*K, S, H)`` (``layout='BKSH'``, the default: each head's keys contiguous, read in place
         when decoding), ``(B, S, K, H)`` (``'BSKH'``) or ``(S // block, B*K, block, H)`` (``'blocks'``:
-        a cache much larger than its fill read block by block in place, see :class:`KVCache`).
+        a cache much larger than its fill, read block by block, see :class:`KVCache`).
 
         ``dtype`` must be the dtype of the keys the layer computes (the result type of ``x`` and
         its parameters); a layer given a cache of another dtype raises ``TypeError``. The

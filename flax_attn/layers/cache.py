@@ -38,9 +38,9 @@ with AVX-512 both read it where it lies instead, against block-diagonal queries)
 slower than ``'BKSH'`` once the cache is mostly full (``benchmarks/decode.py`` measures both).
 ``layout='blocks'`` stores ``(S // block, B*K, block, H)``: block-major, each block of
 ``block`` slots (default :data:`BLOCK`, 128) of every (batch row, key/value head) one
-contiguous array, so that the key blocks read each block in use where it lies, where the
-other layouts' blocks are copied out of the cache first (XLA's CPU matmul reads whole arrays),
-and past half the slots one pass reads every block in place. It is the layout for a cache
+contiguous array, so that the key blocks copy each block in use out of the cache as one
+piece (XLA's CPU matmul reads whole arrays), where the other layouts' blocks are gathered
+from many runs of slots, and past half the slots one pass reads every block in place. It is the layout for a cache
 allocated much larger than its fill (a cache sized for the longest generation); once the cache
 is mostly full a ``'BKSH'`` step is faster. A token is written to its block and row (one
 token: a dynamic update slice; more: a scatter), in place when the cache is donated.
@@ -113,7 +113,7 @@ class KVCache:
           rolling: overwrite the oldest slots when full (sliding-window attention only).
           layout: ``'BKSH'`` (the default: keys stored ``(B*K, S, H)``, read in place when decoding),
             ``'BSKH'`` (keys ``(B, S, K, H)``) or ``'blocks'`` (keys ``(S // block, B*K, block, H)``:
-            each block of slots one contiguous array, read in place block by block).
+            each block of slots one contiguous array, for a cache much larger than its fill).
           block: slots per block of a ``'blocks'`` cache (default ``BLOCK``); ``max_len`` must be a
             multiple of it (``ValueError`` naming both otherwise).
         """

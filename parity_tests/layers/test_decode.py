@@ -110,8 +110,8 @@ def test_blocks_layout_decodes_like_the_full_pass(cfg):
 def test_blocks_layout_steps_read_and_write_the_cache_in_place():
     """A donated step over a ``'blocks'`` cache writes its buffers in place, and its compiled
     program makes no array of the cache's size but the in-place update: no copy, transpose or
-    concatenation of the keys or values, in either the blocks visited one by one or the one
-    pass over all of them."""
+    concatenation of all the keys or values, in either the blocks visited one by one (each
+    block is copied out alone, a smaller array) or the one pass over all of them."""
     config, layer, params, x, positions = _setup({"num_kv_heads": 2}, T=13)
     B, S, c, K, H = 2, 16, 4, 2, D // N
     step = fa.decode_step(layer)
