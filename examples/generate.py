@@ -11,10 +11,13 @@ of grouped-query attention (8 query heads sharing 2 key/value heads, RoPE) and a
   shape (prompt, then one token) and donates the caches, so each step writes its keys into
   them in place and attends over them.
 
-    python examples/generate.py [--tokens 64] [--layout BKSH|BSKH|blocks]
+    python examples/generate.py [--tokens 64] [--layout BKSH|BSKH|blocks] [--grow]
 
 ``--layout`` picks the caches' layout (:class:`flax_attn.KVCache`; ``'blocks'``, block-major,
 for a cache allocated much larger than its fill): the tokens are the same in every layout.
+``--grow`` starts the caches at the prompt's size and grows them as tokens arrive
+(``cache.reserve(t + 1)`` before each step: a copy and one compilation of the step per new
+size) instead of allocating the longest generation's slots up front.
 """
 import argparse
 import time
@@ -68,13 +71,17 @@ def generate_uncached(full, params, prompt, n):
     return tokens[len(prompt):]
 
 
-def generate_cached(step, params, prompt, n, layout="BKSH"):
-    """``step``: ``fa.decode_step(model)``; the caches it is given are donated (consumed)."""
+def generate_cached(step, params, prompt, n, layout="BKSH", grow=False):
+    """``step``: ``fa.decode_step(model)``; the caches it is given are donated (consumed).
+    ``grow``: caches of the prompt's size (whole blocks), grown by ``reserve`` as tokens arrive."""
     layer = fa.Attention(ATTENTION)
-    caches = [layer.init_cache(batch=1, max_len=CONTEXT, layout=layout) for _ in range(LAYERS)]
+    slots = -(-len(prompt) // fa.layers.cache.BLOCK) * fa.layers.cache.BLOCK if layout == "blocks" else len(prompt)
+    caches = [layer.init_cache(batch=1, max_len=slots if grow else CONTEXT, layout=layout) for _ in range(LAYERS)]
     logits, caches = step(params, caches, jnp.asarray(prompt)[None], jnp.arange(len(prompt))[None])
     tokens = [int(jnp.argmax(logits[0, -1]))]
     for t in range(len(prompt), len(prompt) + n - 1):
+        if grow:
+            caches = [cache.reserve(t + 1) for cache in caches]
         logits, caches = step(params, caches, jnp.asarray([[tokens[-1]]]), jnp.asarray([[t]]))
         tokens.append(int(jnp.argmax(logits[0, -1])))
     step.check()  # the last steps' run-time checks (each step's are read a few calls later)
@@ -100,6 +107,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="cached vs uncached greedy generation")
     parser.add_argument("--tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--layout", choices=("BKSH", "BSKH", "blocks"), default="BKSH", help="the caches' layout")
+    parser.add_argument("--grow", action="store_true", help="caches of the prompt's size, grown as tokens arrive")
     args = parser.parse_args(argv)
     prompt = list("Attention is all you need. ".encode())
     n = min(args.tokens, CONTEXT - len(prompt))
@@ -108,7 +116,7 @@ def main(argv=None):
     full = jax.jit(lambda p, tokens: model.apply(p, tokens, jnp.arange(CONTEXT)[None]))
     step = fa.decode_step(model)  # compiles once per shape: the prompt's, then one token's
     uncached, t_u = timed(generate_uncached, full, params, prompt, n)
-    cached, t_c = timed(generate_cached, step, params, prompt, n, args.layout)
+    cached, t_c = timed(generate_cached, step, params, prompt, n, args.layout, args.grow)
     print(f"{LAYERS} layers, d_model {ATTENTION.d_model}, prompt {len(prompt)} tokens, {n} generated "
           f"({jax.default_backend()}: {cpu_model()})")
     print(f"without cache: {n / t_u:8.1f} tokens/s")

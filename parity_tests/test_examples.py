@@ -17,6 +17,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
     ("hf_checkpoint.py", "checkpoint round trip: OK"),
     ("generate.py --tokens 16", "same tokens: True"),
     ("generate.py --tokens 16 --layout blocks", "same tokens: True"),
+    ("generate.py --tokens 16 --grow", "same tokens: True"),
 ])
 def test_example_runs(script, expect):
     name, *args = script.split()

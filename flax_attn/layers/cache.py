@@ -77,6 +77,7 @@ from flax_attn.core import mask as mask_lib
 
 LAYOUTS = ("BSKH", "BKSH", "blocks")
 BLOCK = 128  # slots a block of a layout='blocks' cache holds, by default
+GROWTH = 1.25  # KVCache.reserve's default: grown by a quarter at least
 OUT_OF_REACH = 1 << 30  # a key position no causal or window rule admits (positions stay below 2**29)
 
 
@@ -286,6 +287,77 @@ class KVCache:
             raise ValueError("a rolling cache cannot be truncated: its slots are overwritten in a ring, so the "
                              "first tokens are gone; keep a linear cache (rolling=False) to roll back")
         return truncate_slots(self, length, key=0, value=0, positions=0, segment_ids=-1)
+
+    def resize(self, max_len: int) -> "KVCache":
+        """The same tokens in a cache of ``max_len`` slots: new slots empty, or empty slots past
+        the tokens dropped (a linear cache; ``max_len`` at least ``length``, a whole number of
+        blocks for ``layout='blocks'``; ``ValueError`` otherwise). A copy of the cache; a step
+        compiled for the old size compiles again for the new one. See :meth:`reserve`."""
+        return resize_slots(self, max_len, key=0, value=0, positions=0, segment_ids=-1)
+
+    def reserve(self, tokens: int, growth: float = GROWTH) -> "KVCache":
+        """This cache if it holds ``tokens`` slots, else the same tokens in a larger one
+        (:meth:`resize`): ``growth`` times the slots at least, rounded up to a whole number of
+        :data:`BLOCK` slots (of ``block`` for a ``'blocks'`` cache).
+
+        ``tokens`` (an int) is what the cache must hold after the next step (the prompt and
+        every token so far, plus the step's). Grown this way from about the prompt's size, a
+        cache stays at least ``1 / growth`` full, so a decoding step reads little more than the
+        tokens it holds, where a cache allocated for the longest generation is read in key
+        blocks while mostly empty (slower than PyTorch's step over its filled slots: Known limits
+        in the README); each new size costs one copy of the cache and one compilation of the
+        step (``log(longest / prompt) / log(growth)`` of them)::
+
+            cache = layer.init_cache(B, prompt_len)
+            for t in range(prompt_len, prompt_len + steps):
+                cache = cache.reserve(t + 1)
+                out, cache = step(params, cache, token, positions)
+        """
+        return reserve_slots(self, tokens, growth, self.block or BLOCK)
+
+
+
+def reserve_slots(cache, tokens: int, growth: float, multiple: int):
+    """``cache`` if its ``max_len`` is at least ``tokens``, else ``cache.resize`` to at least
+    ``growth`` times its slots and ``tokens``, rounded up to a multiple of ``multiple``: the
+    ``reserve`` of :class:`KVCache` and of the latent cache."""
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)):
+        raise TypeError(f"reserve(tokens): tokens must be an int (the tokens the cache must hold), got {tokens!r}")
+    _checks.check_positive_int("reserve tokens", int(tokens))
+    if not (isinstance(growth, (int, float)) and growth > 1):
+        raise ValueError(f"reserve(growth={growth!r}): growth must be a number above 1")
+    if tokens <= cache.max_len:
+        return cache
+    want = max(int(tokens), int(np.ceil(cache.max_len * growth)))
+    return cache.resize(-(-want // multiple) * multiple)
+
+
+def resize_slots(cache, max_len: int, **fills):
+    """``cache`` with ``max_len`` slots: each array named in ``fills`` (its slots on axis 1, or
+    the blocks on axis 0 of a ``'blocks'`` layout's keys and values) cut or extended with its
+    fill value. The ``resize`` of :class:`KVCache` and of the latent cache."""
+    _checks.check_positive_int("resize max_len", max_len)
+    if getattr(cache, "rolling", False):
+        raise ValueError("a rolling cache cannot be resized: its tokens lie in a ring of max_len slots; create a new "
+                         "one of the size wanted (a window needs max_len >= window - 1)")
+    block = getattr(cache, "block", None)
+    if block is not None and max_len % block:
+        raise ValueError(f"a layout='blocks' cache holds whole blocks: resize(max_len={max_len}) is not a multiple of "
+                         f"block={block} (take max_len={-(-max_len // block) * block})")
+    _checks.runtime_check(cache.length <= max_len,
+                          "resize(max_len={max_len}): the cache holds {length} tokens, more than max_len",
+                          max_len=max_len, length=cache.length)
+
+    def sized(buf, fill):
+        axis, n = (0, max_len // block) if block is not None and buf.ndim == 4 else (1, max_len)
+        have = buf.shape[axis]
+        if n <= have:
+            return jax.lax.slice_in_dim(buf, 0, n, axis=axis)
+        pad = [(0, 0)] * buf.ndim
+        pad[axis] = (0, n - have)
+        return jnp.pad(buf, pad, constant_values=jnp.asarray(fill, buf.dtype))
+
+    return cache.replace(**{name: sized(getattr(cache, name), fill) for name, fill in fills.items()})
 
 
 def truncate_slots(cache, length, **fills):

@@ -77,7 +77,8 @@ import numpy as np
 
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention, tuning
-from flax_attn.layers.cache import combined_mask, one_query_key_positions, truncate_slots
+from flax_attn.layers.cache import (BLOCK, GROWTH, combined_mask, one_query_key_positions, reserve_slots, resize_slots,
+                                    truncate_slots)
 from flax_attn.layers.common import (by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
                                      linear_params, rms_norm, scale_params)
 from flax_attn.positional import rope as rope_lib
@@ -272,6 +273,15 @@ class LatentKVCache:
         ``length``: an int or int32 scalar (traced under ``jax.jit``), ``0 <= length <=
         self.length`` (``ValueError`` otherwise, at run time under ``jax.jit``)."""
         return truncate_slots(self, length, latent=0, positions=0, segment_ids=-1)
+
+    def resize(self, max_len: int) -> "LatentKVCache":
+        """The same tokens in a cache of ``max_len`` slots (``KVCache.resize``)."""
+        return resize_slots(self, max_len, latent=0, positions=0, segment_ids=-1)
+
+    def reserve(self, tokens: int, growth: float = GROWTH) -> "LatentKVCache":
+        """This cache if it holds ``tokens`` slots, else the same tokens in one grown by
+        ``growth`` at least (``KVCache.reserve``)."""
+        return reserve_slots(self, tokens, growth, BLOCK)
 
 
 def mla_params(config: MLAConfig) -> dict:

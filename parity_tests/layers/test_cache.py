@@ -296,3 +296,71 @@ def test_context_kv_decoder_equals_the_raw_context():
         out, cache = step(cache, ckv, x[:, t:t + 1], positions[:, t:t + 1], segments[:, t:t + 1])
         outs.append(out)
     assert_close(jnp.concatenate(outs, axis=1), full_pass(x), np.float64, "decoded with a ContextKV vs full pass")
+
+
+@pytest.mark.parametrize("layout, block", [("BKSH", None), ("BSKH", None), ("blocks", 2)])
+def test_reserve_grows_the_cache_as_tokens_arrive(layout, block):
+    # A cache sized for the prompt, grown by reserve(t + 1) before each step through the jitted
+    # step: the outputs equal the full pass; each growth keeps the tokens bit for bit, its new
+    # slots empty, and is at least growth x the slots, a whole number of blocks.
+    config = fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2)
+    layer = fa.Attention(config)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 11, D)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(11), (2, 11))
+    params = layer.init(jax.random.key(0), x, positions)
+    full = layer.apply(params, x, positions)
+    step = fa.decode_step(layer)
+    extra = {"block": block} if block else {}
+    cache = layer.init_cache(2, 4, layout=layout, **extra)
+    out, cache = step(params, cache, x[:, :4], positions[:, :4])
+    from flax_attn.layers.cache import BLOCK
+    pieces, sizes, multiple = [out], [cache.max_len], block or BLOCK
+    for t in range(4, 11):
+        before = cache
+        cache = cache.reserve(t + 1, growth=1.5)
+        if cache is not before:
+            assert cache.max_len >= 1.5 * before.max_len and cache.max_len % multiple == 0, (before.max_len, cache.max_len)
+            for name, fill in (("positions", 0), ("segment_ids", -1)):
+                grown, kept = np.asarray(getattr(cache, name)), np.asarray(getattr(before, name))
+                np.testing.assert_array_equal(grown[:, :before.max_len], kept, err_msg=name)
+                assert (grown[:, before.max_len:] == fill).all(), name
+            np.testing.assert_array_equal(cache.keys()[:, :before.max_len], before.keys())
+            np.testing.assert_array_equal(cache.values()[:, before.max_len:], 0.0)
+            assert int(cache.length) == int(before.length) and cache.layout == layout
+        sizes.append(cache.max_len)
+        out, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])
+        pieces.append(out)
+    # one growth to a whole block of 128 slots; blocks of 2 grow 4 -> 6 -> 10 -> 16
+    assert sizes[0] == 4 and sizes[-1] >= 11 and len(set(sizes)) == (2 if multiple == BLOCK else 4), sizes
+    assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, f"{layout}: decoding through reserve vs full pass")
+    assert cache.reserve(11) is cache  # room already: the same cache
+    shrunk = cache.resize(11 if layout != "blocks" else 12)
+    np.testing.assert_array_equal(shrunk.keys()[:, :11], cache.keys()[:, :11])
+    out, _ = layer.apply(params, x[:, 10:], positions[:, 10:], cache=shrunk.truncate(10))
+    assert_close(out, full[:, 10:], np.float32, "after resizing down")
+
+
+def test_resize_and_reserve_check_their_arguments():
+    config = fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2)
+    layer = fa.Attention(config)
+    x = jnp.ones((1, 5, D), jnp.float32)
+    params = layer.init(jax.random.key(0), x, jnp.arange(5)[None])
+    _, cache = layer.apply(params, x, jnp.arange(5)[None], cache=layer.init_cache(1, 6))
+    with pytest.raises(ValueError, match=r"resize\(max_len=4\): the cache holds 5 tokens, more than max_len"):
+        cache.resize(4)
+    with pytest.raises(Exception, match=r"resize\(max_len=4\): the cache holds 5 tokens"):  # when the compiled program runs
+        jax.block_until_ready(jax.jit(lambda c: c.resize(4))(cache).key)
+    with pytest.raises(ValueError, match="resize max_len"):
+        cache.resize(0)
+    with pytest.raises(TypeError, match=r"tokens must be an int .* got 7.0"):
+        cache.reserve(7.0)
+    with pytest.raises(ValueError, match="growth must be a number above 1"):
+        cache.reserve(7, growth=1.0)
+    assert cache.reserve(7).max_len == 128  # 1.25 x 6 slots at least, rounded up to whole blocks of 128
+    blocks = layer.init_cache(1, 8, layout="blocks", block=4)
+    with pytest.raises(ValueError, match=r"resize\(max_len=10\) is not a multiple of block=4 \(take max_len=12\)"):
+        blocks.resize(10)
+    assert blocks.reserve(9).max_len == 12 and blocks.reserve(9).key.shape == (3, 2, 4, D // N)
+    rolling = fa.AttentionConfig(d_model=D, num_heads=N, sliding_window=4).init_cache(batch=1, max_len=4, rolling=True)
+    with pytest.raises(ValueError, match="a rolling cache cannot be resized"):
+        rolling.reserve(8)

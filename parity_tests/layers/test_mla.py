@@ -399,3 +399,24 @@ def test_matches_hugging_face_deepseek_v3(interleave):
     variables = from_torch_state_dict(config, tr.state_dict_to_numpy(hf.state_dict()))
     got = jax.jit(MultiHeadLatentAttention(config).apply)(variables, jnp.asarray(x), jnp.asarray(positions))
     assert_close(got, expected, np.float32, "flax_attn vs transformers")
+
+
+def test_latent_cache_grows_by_reserve():
+    # A latent cache sized for the prompt, grown by reserve before each step: the outputs equal
+    # the full pass, the cached latents are kept, the new slots empty.
+    config = MLAConfig(**BASE, q_lora_rank=6)
+    layer, params = MultiHeadLatentAttention(config), params_of(config)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 7, D)), jnp.float32)
+    full = jax.jit(layer.apply)(params, x, jnp.arange(7)[None])
+    step = jax.jit(lambda c, a, p: layer.apply(params, a, p, cache=c))
+    out, cache = step(config.init_cache(1, 3), x[:, :3], jnp.arange(3)[None])
+    pieces = [out]
+    for t in range(3, 7):
+        before, cache = cache, cache.reserve(t + 1, growth=2.0)
+        if cache is not before:
+            np.testing.assert_array_equal(np.asarray(cache.latent[:, :before.max_len]), np.asarray(before.latent))
+            np.testing.assert_array_equal(np.asarray(cache.segment_ids[:, before.max_len:]), -1)
+        out, cache = step(cache, x[:, t:t + 1], jnp.array([[t]]))
+        pieces.append(out)
+    assert cache.max_len == 128
+    assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, "latent cache grown by reserve vs full pass")
