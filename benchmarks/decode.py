@@ -44,6 +44,7 @@ floats at fill level L); ``GB/s`` is that floor over the measured time.
     python -m benchmarks.decode            # prints the table, writes benchmarks/results/decode-<cpu>.json
     python -m benchmarks.decode --quick    # prefix 1024 only, fewer rounds
     python -m benchmarks.decode --warm     # rounds of STEPS steps back to back, nothing evicted
+    python -m benchmarks.decode --generation   # whole generations: a cache allocated or grown (generation())
 """
 from __future__ import annotations
 
@@ -285,6 +286,86 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
                       batch=B, prefix=prefix, capacity=max_len, kv_heads=K, tokens=tokens)
 
 
+def generation(batch: int, prefix: int, tokens: int, capacity: int) -> list[dict]:
+    """One generation of ``tokens`` one-token steps after ``prefix`` cached tokens, each step
+    cold (:func:`evictor`), by three contenders: flax_attn with a ``'BKSH'`` cache of
+    ``capacity`` slots (allocated for the longest generation), flax_attn with a cache of
+    ``prefix`` slots grown by ``cache.reserve(t + 1)`` before each step, and PyTorch eager with
+    ``capacity`` slots. Rows: the mean time a step over the generation (for the grown cache
+    including its growth: the copies and the step's compilations at each new size, also given
+    alone as ``growth_s``), and the ratio to PyTorch's. The last steps' outputs are checked to
+    agree (relative 1e-4)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import flax_attn as fa
+
+    B, D, N = batch, D_MODEL, HEADS
+    H = D // N
+    rng = np.random.default_rng(batch * 100003 + prefix)
+    layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, position="rope", rope_theta=THETA))
+    x = rng.standard_normal((B, 1, D)).astype(np.float32)
+    params = layer.init(jax.random.key(0), jnp.asarray(x), jnp.zeros((B, 1), jnp.int32))
+    k0, v0 = (rng.standard_normal((B, N, prefix, H), dtype=np.float32) for _ in range(2))
+    evict, xt = evictor(), jnp.asarray(x)
+    positions = [jnp.full((B, 1), t, jnp.int32) for t in range(prefix, prefix + tokens)]
+
+    def flax_run(slots: int, grow: bool):
+        pad = lambda a: jnp.asarray(np.concatenate([a, np.zeros((B, N, slots - prefix, H), np.float32)], axis=2)
+                                    .reshape(B * N, slots, H))
+        cache = layer.init_cache(B, slots).replace(key=pad(k0), value=pad(v0), **filled(B, slots, prefix))
+        step = fa.decode_step(layer)
+        if not grow:  # compiled at its size, not timed (a grown cache's first step is at a new size: growth)
+            jax.block_until_ready(step(params, cache, xt, positions[0]))  # consumes the cache
+            cache = layer.init_cache(B, slots).replace(key=pad(k0), value=pad(v0), **filled(B, slots, prefix))
+        total = growth = 0.0
+        for t in range(tokens):
+            evict()
+            start = time.perf_counter()
+            if grow:
+                grown = cache.reserve(prefix + t + 1)
+                if grown is not cache:
+                    jax.block_until_ready(grown.key)
+                    cache = grown
+                    out, cache = step(params, cache, xt, positions[t])  # compiles at the new size
+                    out = np.asarray(out)
+                    growth += time.perf_counter() - start
+                    total += time.perf_counter() - start
+                    continue
+            out, cache = step(params, cache, xt, positions[t])
+            out = np.asarray(out)
+            total += time.perf_counter() - start
+        step.check()
+        return out, total, growth, cache.max_len
+
+    results = {"flax_attn BKSH, allocated": flax_run(capacity, False), "flax_attn BKSH, grown by reserve": flax_run(prefix, True)}
+    twin = _torch_layer_class()(D, N, B, capacity)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(twin, name).weight.copy_(torch.from_numpy(np.asarray(params["params"][name]["kernel"]).T.copy()))
+        twin.k_cache[:, :, :prefix] = torch.from_numpy(k0)
+        twin.v_cache[:, :, :prefix] = torch.from_numpy(v0)
+    tx, total = torch.from_numpy(x), 0.0
+    with torch.inference_mode():
+        twin(tx, prefix)  # warm-up, then the same slot written again
+        for t in range(tokens):
+            evict()
+            start = time.perf_counter()
+            out = twin(tx, prefix + t).numpy()
+            total += time.perf_counter() - start
+    results["torch eager"] = (out, total, 0.0, capacity)
+    rows, ref = [], results["torch eager"][0]
+    for name, (got, seconds, growth, slots) in results.items():
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        if not err <= 1e-4:
+            raise AssertionError(f"{name} and torch eager disagree on the last step: relative error {err:.1e}")
+        rows.append({"contender": name, "batch": B, "prefix": prefix, "tokens": tokens, "slots_at_end": slots,
+                     "ms_per_step": seconds / tokens * 1e3, "growth_s": growth,
+                     "ratio_vs_torch": seconds / results["torch eager"][1]})
+    return rows
+
+
 def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, grouped=GROUPED,
         chunks=CHUNKS, cold: bool = True) -> list[dict]:
     """Every (batch, prefix) cell, each contender timed in turns, then the ``sparse`` (prefix,
@@ -343,10 +424,23 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="prefix 1024 only, 8 rounds")
+    parser.add_argument("--generation", action="store_true",
+                        help="whole generations of 1,024 tokens after 1,024, cache allocated for 8,192 or grown by reserve")
     parser.add_argument("--warm", action="store_true",
                         help="rounds of STEPS steps back to back, the caches warm (default: each step cold)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.generation:
+        rows = [row for b in BATCHES for row in generation(b, 1024, 1024, 8192)]
+        print(f"Generation of 1,024 tokens after 1,024, each step cold; CPU {machine()['cpu']}\n")
+        print("| batch | contender | slots at the end | ms/step | of which growth | vs torch |\n| --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['batch']} | {r['contender']} | {r['slots_at_end']:,} | {r['ms_per_step']:.3f} | "
+                  f"{r['growth_s']:.2f} s | {r['ratio_vs_torch']:.2f}x |")
+        out = args.out or Path(__file__).parent / "results" / f"decode-generation-{cpu.slug()}.json"
+        out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
     prefixes = (1024,) if args.quick else PREFIXES
     repeats = 8 if args.quick else args.repeats
     rows = run(repeats, prefixes=prefixes, sparse=() if args.quick else SPARSE, grouped=() if args.quick else GROUPED,

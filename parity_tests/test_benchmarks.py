@@ -139,3 +139,16 @@ def test_decode_steps_are_timed_cold_by_default(monkeypatch, cold):
         assert reads == [] and all(r["evicted_mib"] == 0 for r in rows)
         assert decode.timing(rows) == f"rounds of {decode.STEPS} steps, caches warm"
     assert all(r["ms_per_step"] > 0 for r in rows)
+
+
+def test_generation_benchmark_grows_one_cache_and_checks_the_outputs():
+    """``benchmarks.decode.generation``: the allocated and the grown cache and PyTorch eager run
+    the same generation (their last outputs agree, or it raises); the grown cache ends at whole
+    blocks and its growth is timed; tiny sizes, no timing judged."""
+    from benchmarks import decode
+
+    rows = {r["contender"]: r for r in decode.generation(1, 64, 40, 512)}
+    assert set(rows) == {"flax_attn BKSH, allocated", "flax_attn BKSH, grown by reserve", "torch eager"}
+    grown = rows["flax_attn BKSH, grown by reserve"]
+    assert grown["slots_at_end"] == 128 and grown["growth_s"] > 0
+    assert rows["flax_attn BKSH, allocated"]["slots_at_end"] == 512 and rows["torch eager"]["ratio_vs_torch"] == 1.0
