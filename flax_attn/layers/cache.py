@@ -17,7 +17,10 @@ concatenated and no mask is rebuilt beyond the ``(B, 1, T, S)`` comparison of po
 layer also tells the attention core how many slots are written (``min(length, max_len)``, as
 lengths whose slots past them hold zeros, never NaN): on CPU a decoding step then visits only
 the key blocks in use while at most half the cache is filled (``implementation='key_blocks'``),
-so a cache allocated for the longest generation costs what it holds, not its capacity.
+so a cache allocated for the longest generation costs what it holds, not its capacity
+(though more than a cache of its fill's size, whose step reads it in one pass: each visited
+block is copied out of the cache first; :meth:`KVCache.reserve` grows a cache with its tokens
+instead, at a compilation of the step per size).
 
 A linear cache (the default) holds ``max_len`` tokens and raises on overflow. A rolling cache
 (``rolling=True``) overwrites its oldest slots: for sliding-window attention it needs only
@@ -305,8 +308,11 @@ class KVCache:
         cache stays at least ``1 / growth`` full, so a decoding step reads little more than the
         tokens it holds, where a cache allocated for the longest generation is read in key
         blocks while mostly empty (slower than PyTorch's step over its filled slots: Known limits
-        in the README); each new size costs one copy of the cache and one compilation of the
-        step (``log(longest / prompt) / log(growth)`` of them)::
+        in the README). Each new size costs one copy of the cache and one compilation of the
+        step (``log(longest / prompt) / log(growth)`` of them; 0.4-0.7 s each for a 768-wide
+        layer on a 2-core AMD EPYC), so growing pays for long generations and large batches, or
+        where the sizes are compiled already, not for short ones (``python -m benchmarks.decode
+        --generation`` measures both ways)::
 
             cache = layer.init_cache(B, prompt_len)
             for t in range(prompt_len, prompt_len + steps):
@@ -316,7 +322,6 @@ class KVCache:
         return reserve_slots(self, tokens, growth, self.block or BLOCK)
 
 
-
 def reserve_slots(cache, tokens: int, growth: float, multiple: int):
     """``cache`` if its ``max_len`` is at least ``tokens``, else ``cache.resize`` to at least
     ``growth`` times its slots and ``tokens``, rounded up to a multiple of ``multiple``: the
@@ -324,7 +329,7 @@ def reserve_slots(cache, tokens: int, growth: float, multiple: int):
     if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)):
         raise TypeError(f"reserve(tokens): tokens must be an int (the tokens the cache must hold), got {tokens!r}")
     _checks.check_positive_int("reserve tokens", int(tokens))
-    if not (isinstance(growth, (int, float)) and growth > 1):
+    if isinstance(growth, bool) or not (isinstance(growth, (int, float, np.integer, np.floating)) and growth > 1):
         raise ValueError(f"reserve(growth={growth!r}): growth must be a number above 1")
     if tokens <= cache.max_len:
         return cache
