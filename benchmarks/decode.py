@@ -45,6 +45,7 @@ floats at fill level L); ``GB/s`` is that floor over the measured time.
     python -m benchmarks.decode --quick    # prefix 1024 only, fewer rounds
     python -m benchmarks.decode --warm     # rounds of STEPS steps back to back, nothing evicted
     python -m benchmarks.decode --generation   # whole generations: a cache allocated or grown (generation())
+    python -m benchmarks.decode --generation --compilation-cache DIR   # the same with JAX's persistent cache in DIR
 """
 from __future__ import annotations
 
@@ -422,18 +423,32 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="prefix 1024 only, 8 rounds")
     parser.add_argument("--generation", action="store_true",
                         help="whole generations of 1,024 tokens after 1,024, cache allocated for 8,192 or grown by reserve")
+    parser.add_argument("--compilation-cache", type=Path, default=None, metavar="DIR",
+                        help="with --generation: JAX's persistent compilation cache in DIR (every compilation kept); "
+                             "a second run finds the grown sizes' steps compiled")
     parser.add_argument("--warm", action="store_true",
                         help="rounds of STEPS steps back to back, the caches warm (default: each step cold)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.compilation_cache is not None and not args.generation:
+        parser.error("--compilation-cache goes with --generation")
     if args.generation:
+        suffix = ""
+        if args.compilation_cache is not None:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+            suffix = "-compilation-cache"
         rows = [row for b in BATCHES for row in generation(b, 1024, 1024, 8192)]
-        print(f"Generation of 1,024 tokens after 1,024, each step cold; CPU {machine()['cpu']}\n")
+        print(f"Generation of 1,024 tokens after 1,024, each step cold; CPU {machine()['cpu']}"
+              + (f"; JAX's compilation cache in {args.compilation_cache}" if suffix else "") + "\n")
         print("| batch | contender | slots at the end | ms/step | of which growth | vs torch |\n| --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print(f"| {r['batch']} | {r['contender']} | {r['slots_at_end']:,} | {r['ms_per_step']:.3f} | "
                   f"{r['growth_s']:.2f} s | {r['ratio_vs_torch']:.2f}x |")
-        out = args.out or Path(__file__).parent / "results" / f"decode-generation-{cpu.slug()}.json"
+        out = args.out or Path(__file__).parent / "results" / f"decode-generation-{cpu.slug()}{suffix}.json"
         out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
         print(f"wrote {out}")
         return

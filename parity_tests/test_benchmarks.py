@@ -152,3 +152,11 @@ def test_generation_benchmark_grows_one_cache_and_checks_the_outputs():
     grown = rows["flax_attn BKSH, grown by reserve"]
     assert grown["slots_at_end"] == 128 and grown["growth_s"] > 0
     assert rows["flax_attn BKSH, allocated"]["slots_at_end"] == 512 and rows["torch eager"]["ratio_vs_torch"] == 1.0
+
+
+def test_compilation_cache_option_goes_with_generation(capsys):
+    from benchmarks import decode
+
+    with pytest.raises(SystemExit):
+        decode.main(["--compilation-cache", "/nonexistent"])
+    assert "--compilation-cache goes with --generation" in capsys.readouterr().err
