@@ -311,8 +311,9 @@ class KVCache:
         in the README). Each new size costs one copy of the cache and one compilation of the
         step (``log(longest / prompt) / log(growth)`` of them; 0.4-0.7 s each for a 768-wide
         layer on a 2-core AMD EPYC), so growing pays for long generations and large batches, or
-        where the sizes are compiled already, not for short ones (``python -m benchmarks.decode
-        --generation`` measures both ways)::
+        where the sizes are compiled already (JAX's persistent compilation cache keeps them for
+        later processes), not for one short generation in a fresh process (``python -m
+        benchmarks.decode --generation`` measures both ways)::
 
             cache = layer.init_cache(B, prompt_len)
             for t in range(prompt_len, prompt_len + steps):
