@@ -152,6 +152,21 @@ def filled(batch: int, max_len: int, prefix: int) -> dict:
                 length=jnp.int32(prefix))
 
 
+def prefilled(layer, max_len: int, k0, v0, layout: str = "BKSH"):
+    """``layer``'s empty cache of ``max_len`` slots in ``layout`` with the keys and values ``k0``,
+    ``v0`` ``(B, K, prefix, H)`` in its first slots (written directly: no prefill)."""
+    import jax.numpy as jnp
+
+    from flax_attn.layers.cache import BLOCK
+
+    B, K, prefix, H = k0.shape
+    pad = lambda a: np.concatenate([a, np.zeros((B, K, max_len - prefix, H), np.float32)], axis=2)
+    to_layout = {"BKSH": lambda a: a.reshape(B * K, max_len, H), "BSKH": lambda a: a.transpose(0, 2, 1, 3),
+                 "blocks": lambda a: a.reshape(B * K, max_len // BLOCK, BLOCK, H).transpose(1, 0, 2, 3)}[layout]
+    return layer.init_cache(B, max_len, layout=layout).replace(
+        key=jnp.asarray(to_layout(pad(k0))), value=jnp.asarray(to_layout(pad(v0))), **filled(B, max_len, prefix))
+
+
 def flax_steps(step, params, cache, x, prefix: int, max_len: int):
     """``run(n)``: ``n`` decoding steps of ``step`` (from ``fa.decode_step``) on the tokens ``x``
     ``(B, T, D)``, positions counting on from ``prefix``; returns the last output, waited for."""
@@ -266,12 +281,7 @@ def cell(batch: int, prefix: int, repeats: int, capacity: int = 0, kv_heads: int
     v0 = rng.standard_normal((B, K, prefix, H), dtype=np.float32)
 
     def flax_contender(layout: str):
-        cache = layer.init_cache(B, max_len, layout=layout)
-        pad = lambda a: np.concatenate([a, np.zeros((B, K, max_len - prefix, H), np.float32)], axis=2)
-        to_layout = {"BKSH": lambda a: a.reshape(B * K, max_len, H), "BSKH": lambda a: a.transpose(0, 2, 1, 3),
-                     "blocks": lambda a: a.reshape(B * K, max_len // BLOCK, BLOCK, H).transpose(1, 0, 2, 3)}[layout]
-        cache = cache.replace(key=jnp.asarray(to_layout(pad(k0))), value=jnp.asarray(to_layout(pad(v0))),
-                              **filled(B, max_len, prefix))
+        cache = prefilled(layer, max_len, k0, v0, layout)
         return flax_steps(fa.decode_step(layer), params, cache, x, prefix, max_len)
 
     twin = _torch_layer_class()(D, N, B, max_len, num_kv_heads=K)
@@ -294,8 +304,8 @@ def generation(batch: int, prefix: int, tokens: int, capacity: int) -> list[dict
     ``prefix`` slots grown by ``cache.reserve(t + 1)`` before each step, and PyTorch eager with
     ``capacity`` slots. Rows: the mean time a step over the generation (for the grown cache
     including its growth; ``growth_s``: the steps that grew the cache, each a copy, a
-    compilation of the step at the new size and the step), and the ratio to PyTorch's. The last steps' outputs are checked to
-    agree (relative 1e-4)."""
+    compilation of the step at the new size and the step), and the ratio to PyTorch's. The
+    last steps' outputs are checked to agree (relative 1e-4)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -313,13 +323,10 @@ def generation(batch: int, prefix: int, tokens: int, capacity: int) -> list[dict
     positions = [jnp.full((B, 1), t, jnp.int32) for t in range(prefix, prefix + tokens)]
 
     def flax_run(slots: int, grow: bool):
-        pad = lambda a: jnp.asarray(np.concatenate([a, np.zeros((B, N, slots - prefix, H), np.float32)], axis=2)
-                                    .reshape(B * N, slots, H))
-        cache = layer.init_cache(B, slots).replace(key=pad(k0), value=pad(v0), **filled(B, slots, prefix))
         step = fa.decode_step(layer)
         if not grow:  # compiled at its size, not timed (a grown cache's first step is at a new size: growth)
-            jax.block_until_ready(step(params, cache, xt, positions[0]))  # consumes the cache
-            cache = layer.init_cache(B, slots).replace(key=pad(k0), value=pad(v0), **filled(B, slots, prefix))
+            jax.block_until_ready(step(params, prefilled(layer, slots, k0, v0), xt, positions[0]))  # consumes it
+        cache = prefilled(layer, slots, k0, v0)
         total = growth = 0.0
         for t in range(tokens):
             evict()
