@@ -63,13 +63,7 @@ def last_level_cache_bytes() -> int:
     32 MiB where it cannot be read."""
     from flax_attn.core import tuning
 
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            sizes.append(tuning._parse_size((index / "size").read_text()) or 0)
-        except OSError:
-            pass
-    return max(sizes, default=0) or 32 << 20
+    return max(tuning.cache_bytes().values(), default=32 << 20)
 
 
 def slug() -> str:

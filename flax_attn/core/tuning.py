@@ -49,20 +49,25 @@ def _parse_size(text: str) -> Optional[int]:
 
 
 @functools.lru_cache(maxsize=None)
+def cache_bytes() -> dict:
+    """CPU 0's data (or unified) caches from Linux sysfs: ``{level: bytes}`` (empty where sysfs
+    cannot be read)."""
+    sizes = {}
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            kind = (index / "type").read_text().strip()
+            size = _parse_size((index / "size").read_text())
+            if kind in ("Data", "Unified") and size:
+                sizes[int((index / "level").read_text().strip())] = size
+    except (OSError, ValueError):
+        pass
+    return sizes
+
+
+@functools.lru_cache(maxsize=None)
 def l2_cache_bytes() -> int:
     """The per-core L2 data (or unified) cache of CPU 0 in bytes, from Linux sysfs; 1 MiB if unknown."""
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        for index in sorted(root.glob("index*")):
-            level = (index / "level").read_text().strip()
-            kind = (index / "type").read_text().strip()
-            if level == "2" and kind in ("Data", "Unified"):
-                size = _parse_size((index / "size").read_text())
-                if size:
-                    return size
-    except OSError:
-        pass
-    return DEFAULT_L2_BYTES
+    return cache_bytes().get(2, DEFAULT_L2_BYTES)
 
 
 def _parse_flags(cpuinfo: str) -> frozenset:
