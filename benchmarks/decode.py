@@ -59,6 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import cpu
+from benchmarks.run import time_in_turns
 
 D_MODEL, HEADS, THETA = 768, 12, 10000.0
 STEPS = 4          # decode steps per timed call with the caches warm (timed_rows(cold=False), benchmarks.decode_gpu)
@@ -121,24 +122,6 @@ def _torch_layer_class():
             return self.o_proj(out.reshape(B, self.N, T, self.H).transpose(1, 2).reshape(B, T, self.N * self.H))
 
     return TorchDecodeLayer
-
-
-def time_in_turns(fns: dict, repeats: int, warmup: int = 1, before=None) -> dict:
-    """Median seconds of each zero-argument function, every round in a new random order;
-    ``before()``, if given, runs before each timed call, outside its time."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples = {name: [] for name in fns}
-    order, names = np.random.default_rng(0), list(fns)
-    for _ in range(repeats):
-        for name in order.permutation(names):
-            if before is not None:
-                before()
-            start = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - start)
-    return {name: float(np.median(s)) for name, s in samples.items()}
 
 
 def filled(batch: int, max_len: int, prefix: int) -> dict:
@@ -240,7 +223,7 @@ def timed_rows(flax_runs: dict, torch_run, repeats: int, floor: float, cold: boo
     if torch.get_num_threads() > 1:  # on a shared machine one thread can beat several: the faster one is the peer
         fns["torch eager 1 thread"] = functools.partial(torch_run, steps, num_threads=1)
     evict = evictor() if cold else None
-    seconds = time_in_turns(fns, repeats * STEPS // steps, before=evict)
+    seconds = time_in_turns(fns, repeats * STEPS // steps, warmup=1, before=evict)
     torch_step = min(s for name, s in seconds.items() if name.startswith("torch")) / steps
     B, tokens = cell_fields["batch"], cell_fields.get("tokens", 1)
     rows = []

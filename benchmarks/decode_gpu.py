@@ -117,7 +117,7 @@ def cell(batch: int, prefix: int, repeats: int) -> list[dict]:
         err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
         if not err <= AGREE:
             raise AssertionError(f"{name} and torch eager disagree on the first step: relative error {err:.1e}")
-    seconds = decode.time_in_turns(dict(flax_runs, **torch_runs), repeats)
+    seconds = decode.time_in_turns(dict(flax_runs, **torch_runs), repeats, warmup=1)
     peer = min(seconds[name] for name in torch_runs)
     floor = (4 * D * D + 2 * B * prefix * D) * 2  # bytes of weights and cache a step must read (bfloat16)
     return [{"contender": name, "batch": B, "prefix": prefix, "ms_per_step": s / decode.STEPS * 1e3,

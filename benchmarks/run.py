@@ -112,9 +112,10 @@ def _sync(out):
     return out
 
 
-def time_in_turns(fns: dict, repeats: int, warmup: int = 2) -> dict:
+def time_in_turns(fns: dict, repeats: int, warmup: int = 2, before=None) -> dict:
     """Median seconds of each zero-argument function, timed in turns: every round runs each
-    function once, in a new random order (so that no contender always follows the same one)."""
+    function once, in a new random order (so that no contender always follows the same one).
+    ``before()``, if given, runs before each timed call, outside its time."""
     for fn in fns.values():
         for _ in range(warmup):
             _sync(fn())
@@ -124,6 +125,8 @@ def time_in_turns(fns: dict, repeats: int, warmup: int = 2) -> dict:
     for _ in range(repeats):
         for name in order.permutation(names):
             fn = fns[name]
+            if before is not None:
+                before()
             start = time.perf_counter()
             _sync(fn())
             samples[name].append(time.perf_counter() - start)
