@@ -26,8 +26,8 @@
   of another class or configuration, or whose parameters have other names or shapes, raises
   ``CheckpointMismatchError`` listing every difference, instead of producing a wrong model
   (``num_heads`` can change the model while every parameter keeps its shape). Fields that do
-  not change the model may differ: dropout rates, ``precision``, ``implementation``,
-  ``param_dtype`` (the saved dtype is restored). A field added to a configuration after a
+  not change the model may differ: dropout rates, ``precision``, ``implementation`` (a name or
+  an object), ``param_dtype`` (the saved dtype is restored), ``MLAConfig.absorb``. A field added to a configuration after a
   checkpoint was saved (absent from its record) stands for its default: the checkpoint
   restores into a module that keeps the default, and is refused by one that does not.
 
@@ -47,11 +47,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import traverse_util
+from flax import nnx, traverse_util
 
 from flax_attn.interop import param_template
 
@@ -285,8 +286,13 @@ def save(directory, step: int, module, variables, *, keep: Optional[int] = None)
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    _check_linen(module, "save")
     if not isinstance(variables, dict) or "params" not in variables:
         raise TypeError("variables must be a dict with a 'params' collection, as module.init returns")
+    problems = _param_differences(variables["params"], param_template(module), "variables")
+    if problems:
+        raise CheckpointMismatchError(f"variables do not fit {type(module).__name__} (nothing was saved):\n  "
+                                      + "\n  ".join(problems))
     description = describe(module)
     checksums = _checksum_record(description, variables["params"])
     directory = Path(directory).absolute()
@@ -419,6 +425,7 @@ def restore(directory, module, *, step: Optional[int] = None, verify_checksums: 
       CheckpointMismatchError: the checkpoint was saved from another class or configuration,
         or its parameters differ in names or shapes from ``module``'s; every difference is listed.
     """
+    _check_linen(module, "restore")
     directory = Path(directory).absolute()
     if not directory.is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {directory}")
@@ -431,12 +438,7 @@ def restore(directory, module, *, step: Optional[int] = None, verify_checksums: 
             saved = manager.restore(step, args=ocp.args.Composite(module=ocp.args.JsonRestore()))["module"]
             saved_leaves = traverse_util.flatten_dict(_as_dict(manager.item_metadata(step)["params"]))
         problems = _config_differences(saved, describe(module), module)
-        want = traverse_util.flatten_dict(_as_dict(param_template(module)))
-        problems += [f"parameter {'/'.join(p)} is missing from the checkpoint" for p in sorted(set(want) - set(saved_leaves))]
-        problems += [f"checkpoint has parameter {'/'.join(p)} the module does not" for p in sorted(set(saved_leaves) - set(want))]
-        problems += [f"parameter {'/'.join(p)} has shape {tuple(saved_leaves[p].shape)} in the checkpoint, "
-                     f"{tuple(want[p].shape)} in the module"
-                     for p in sorted(set(want) & set(saved_leaves)) if tuple(saved_leaves[p].shape) != tuple(want[p].shape)]
+        problems += _param_differences(saved_leaves, param_template(module), "the checkpoint")
         if problems:
             raise CheckpointMismatchError(
                 f"checkpoint {directory} step {step} does not fit {type(module).__name__}:\n  " + "\n  ".join(problems))
@@ -448,6 +450,29 @@ def restore(directory, module, *, step: Optional[int] = None, verify_checksums: 
     return {"params": params}
 
 
+def _check_linen(module, function: str) -> None:
+    """A TypeError naming ``module`` unless it is a Linen module (an NNX module goes through its
+    Linen twin)."""
+    if isinstance(module, nn.Module):
+        return
+    if isinstance(module, nnx.Module):
+        raise TypeError(f"checkpoint.{function} takes a Linen module, got the NNX module {type(module).__name__}: "
+                        f"pass its Linen twin, fa.nnx.linen_twin(module), with fa.nnx.to_linen(module) as the "
+                        f"variables to save; fa.nnx.from_linen(module, restored) loads restored ones into it")
+    raise TypeError(f"checkpoint.{function}: module must be a flax_attn Linen module, got {type(module).__name__}")
+
+
+def _param_differences(got, want, where: str) -> list[str]:
+    """The parameters of ``got`` (nested or flat, found in ``where``) that ``want``'s (the
+    module's template) do not match, by name and shape, as sentences."""
+    got = got if all(isinstance(p, tuple) for p in got) else traverse_util.flatten_dict(_as_dict(got))
+    want = traverse_util.flatten_dict(_as_dict(want))
+    return ([f"parameter {'/'.join(p)} is missing from {where}" for p in sorted(set(want) - set(got))]
+            + [f"{where} has parameter {'/'.join(p)} the module does not" for p in sorted(set(got) - set(want))]
+            + [f"parameter {'/'.join(p)} has shape {tuple(np.shape(got[p]))} in {where}, {tuple(want[p].shape)} in "
+               f"the module" for p in sorted(set(want) & set(got)) if tuple(np.shape(got[p])) != tuple(want[p].shape)])
+
+
 def _as_dict(tree):
     """Orbax metadata and Flax params as plain nested dicts."""
     if hasattr(tree, "items"):
@@ -456,7 +481,13 @@ def _as_dict(tree):
 
 
 # Configuration fields that do not change the model a checkpoint holds.
-NOT_THE_MODEL = {"dropout", "precision", "implementation", "param_dtype", "config.dropout"}
+# An implementation given as an object is recorded field by field (``implementation.block_q``, ...):
+# a key under one of these is not the model either.
+NOT_THE_MODEL = {"dropout", "precision", "implementation", "param_dtype", "config.dropout", "config.absorb"}
+
+
+def _is_the_model(key: str) -> bool:
+    return not any(key == name or key.startswith(name + ".") for name in NOT_THE_MODEL)
 
 
 def _config_differences(saved: dict, current: dict, module=None) -> list[str]:
@@ -472,7 +503,7 @@ def _config_differences(saved: dict, current: dict, module=None) -> list[str]:
         return [f"the checkpoint holds a {saved['class']}, not a {current['class']}"]
     out = []
     s_cfg, c_cfg = _flat(saved["config"]), _flat(current["config"])
-    for key in sorted((set(s_cfg) | set(c_cfg)) - NOT_THE_MODEL):
+    for key in sorted(k for k in set(s_cfg) | set(c_cfg) if _is_the_model(k)):
         a, b = s_cfg.get(key, "<absent>"), c_cfg.get(key, "<absent>")
         if key not in s_cfg and key in c_cfg:
             default = _field_default(module, key)

@@ -148,7 +148,17 @@ def init_example(module, rng=None):
     module = _linen(module)
     twin = twin_of(module)
     rng = jax.random.key(0) if rng is None else rng
+    module = _default_implementation(module)
     return module.init(rng, *twin.example_inputs(module), **twin.example_kwargs(module))
+
+
+def _default_implementation(module):
+    """``module`` with its attention implementation (if it has one) back to the default: the
+    parameters do not depend on it, and an implementation may refuse the few-token example
+    inputs (a context-parallel one needs the tokens to divide by its devices)."""
+    if getattr(module, "implementation", None) is not None and dataclasses.is_dataclass(module):
+        return module.clone(implementation=None)
+    return module
 
 
 def torch_name(path: tuple[str, ...]) -> str:

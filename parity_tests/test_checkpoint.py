@@ -1,6 +1,7 @@
 """Checkpoints: bit-exact round trips, atomic saves that survive a kill, and restores that refuse
 a module of another configuration."""
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -132,6 +133,61 @@ def test_attention_config_differences_are_listed(tmp_path):
         ck.restore(tmp_path, other)
     assert "config.rope_layout is 'interleaved' in the checkpoint, 'rotate_half' in the module" in str(err.value)
     assert "dropout" not in str(err.value)
+
+
+def test_an_implementation_object_or_absorb_may_differ(tmp_path):
+    """An implementation given as an object is recorded field by field; none of its fields, nor
+    MLAConfig.absorb (the same function), is the model."""
+    m = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2))
+    v = _init(m)
+    ck.save(tmp_path / "a", 0, m.clone(implementation=fa.core.Blockwise(block_q=16)), v)
+    _assert_bit_exact(ck.restore(tmp_path / "a", m), v)
+    _assert_bit_exact(ck.restore(tmp_path / "a", m.clone(implementation=fa.core.QueryBlocks())), v)
+    config = fa.MLAConfig(d_model=16, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                          v_head_dim=4)
+    mla = fa.MultiHeadLatentAttention(config)
+    w = mla.init(jax.random.key(0), jnp.zeros((1, 2, 16)), jnp.arange(2)[None])
+    ck.save(tmp_path / "b", 0, mla, w)
+    _assert_bit_exact(ck.restore(tmp_path / "b", fa.MultiHeadLatentAttention(dataclasses.replace(config, absorb=True))), w)
+    with pytest.raises(ck.CheckpointMismatchError, match="config.num_heads is 2 in the checkpoint, 4"):
+        ck.restore(tmp_path / "b", fa.MultiHeadLatentAttention(dataclasses.replace(config, num_heads=4)))
+
+
+def test_a_context_parallel_layer_saves_restores_and_converts(tmp_path):
+    """The parameters' template is made with the default implementation: a context-parallel one
+    refuses the two-token example whose length does not divide by its devices."""
+    from flax_attn import parallel as fp
+
+    mesh = fp.make_mesh((1,), ("seq",))
+    plain = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2))
+    ring = plain.clone(implementation=fp.context_parallel(mesh, "seq"))
+    v = _init(plain)
+    ck.save(tmp_path, 0, ring, v)
+    _assert_bit_exact(ck.restore(tmp_path, ring), v)
+    _assert_bit_exact(ck.restore(tmp_path, plain), v)
+    state_dict = fa.to_torch_state_dict(ring, v)
+    _assert_bit_exact(fa.from_torch_state_dict(ring, state_dict), v)
+    # an implementation that refuses the example call (no lengths bound its keys) is no obstacle either
+    picky = plain.clone(implementation="key_blocks")
+    with pytest.raises(ValueError, match="key_blocks"):
+        picky.apply(v, jnp.zeros((1, 2, 8)), jnp.arange(2)[None])
+    _assert_bit_exact(fa.from_torch_state_dict(picky, fa.to_torch_state_dict(picky, v)), v)
+
+
+def test_save_checks_the_variables_and_the_module(tmp_path):
+    m = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2))
+    other = _init(fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2, num_kv_heads=1, qk_norm=True)))
+    with pytest.raises(ck.CheckpointMismatchError) as err:
+        ck.save(tmp_path, 0, m, other)
+    assert "nothing was saved" in str(err.value)
+    assert "parameter k_proj/kernel has shape (8, 4) in variables, (8, 8) in the module" in str(err.value)
+    assert "variables has parameter q_norm/scale the module does not" in str(err.value)
+    assert ck.steps(tmp_path) == []
+    from flax import nnx
+    layer = fa.nnx.Attention(fa.AttentionConfig(d_model=8, num_heads=2), rngs=nnx.Rngs(0))
+    for call in (lambda: ck.save(tmp_path, 0, layer, fa.nnx.to_linen(layer)), lambda: ck.restore(tmp_path, layer)):
+        with pytest.raises(TypeError, match=r"NNX module Attention: pass its Linen twin, fa.nnx.linen_twin\(module\)"):
+            call()
 
 
 # ----------------------------------------------------------------------------------------------

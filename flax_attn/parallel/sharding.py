@@ -29,6 +29,10 @@ Which parameters split (``kernel`` is ``(in, out)``):
   features; ``out_proj.kernel`` by input features; ``out_proj.bias`` replicated.
 * ``TransformerMultiHeadAttention``: ``W_q``, ``W_k``, ``W_v`` by output features; ``W_o.kernel``
   by input features; ``W_o.bias`` replicated.
+* ``MultiHeadLatentAttention``: ``q_proj`` or ``q_b_proj`` and ``kv_b_proj`` by output features
+  (per-head query, key and value dims), ``o_proj.kernel`` by input features; the latent
+  projections ``q_a_proj`` and ``kv_a_proj_with_mqa``, the norms and ``o_proj.bias`` replicated
+  (each device computes the whole latent, shared by its heads).
 * ``SelfAttention_v1/v2``, ``CausalAttention``, ``MultiHeadAttentionWrapper``,
   ``LearnedPositionalEmbedding``: replicated (one head per array: nothing to split by heads;
   their inputs are still split over the batch).
@@ -49,7 +53,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_attn import _checks
-from flax_attn.layers import Attention, KVCache, LearnedPositionalEmbedding
+from flax_attn.layers import Attention, KVCache, LatentKVCache, LearnedPositionalEmbedding, MultiHeadLatentAttention
 from flax_attn.textbook import (CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttention_v1,
                                 SelfAttention_v2, TransformerMultiHeadAttention)
 
@@ -62,6 +66,10 @@ _RULES = {
                 "rel_bias": "heads"},
     MultiHeadAttention: {"W_query": "q", "W_key": "q", "W_value": "q", "out_proj": "out"},
     TransformerMultiHeadAttention: {"W_q": "q", "W_k": "q", "W_v": "q", "W_o": "out"},
+    # the latent projections (q_a_proj, kv_a_proj_with_mqa) are shared by every head
+    MultiHeadLatentAttention: {"q_proj": "q", "q_a_proj": "rep", "q_a_layernorm": "rep", "q_b_proj": "q",
+                               "kv_a_proj_with_mqa": "rep", "kv_a_layernorm": "rep", "kv_b_proj": "q",
+                               "o_proj": "out"},
 }
 _REPLICATED = (SelfAttention_v1, SelfAttention_v2, CausalAttention, MultiHeadAttentionWrapper,
                LearnedPositionalEmbedding)
@@ -71,6 +79,8 @@ def _heads(module):
     """(N, K) of a module with heads."""
     if isinstance(module, Attention):
         return module.config.num_heads, module.config.kv_heads
+    if isinstance(module, MultiHeadLatentAttention):
+        return module.config.num_heads, module.config.num_heads
     return module.num_heads, module.num_heads
 
 
@@ -79,8 +89,9 @@ def partition_specs(module, params, *, data_axis: str = "data", model_axis: str 
     """``PartitionSpec``s for a flax_attn module's parameters: tensor parallel over heads.
 
     Args:
-      module: a flax_attn Linen module (``Attention``, ``MultiHeadAttention``,
-        ``TransformerMultiHeadAttention``, the other chapter modules, ``LearnedPositionalEmbedding``)
+      module: a flax_attn Linen module (``Attention``, ``MultiHeadLatentAttention``,
+        ``MultiHeadAttention``, ``TransformerMultiHeadAttention``, the other chapter modules,
+        ``LearnedPositionalEmbedding``)
         or its NNX twin (``flax_attn.nnx.*``; then ``params`` is ``flax_attn.nnx.to_linen(module)``).
       params: the module's variables ``{'params': {...}}`` or the params dict itself (arrays or
         ``jax.ShapeDtypeStruct``s, e.g. from ``jax.eval_shape(module.init, ...)``).
@@ -238,26 +249,36 @@ def shard_batch(tree, mesh, *, data_axis: str = "data"):
     return shard_params(tree, batch_specs(tree, data_axis=data_axis), mesh)
 
 
-def cache_partition_specs(cache: KVCache, *, data_axis: Optional[str] = "data",
-                          model_axis: Optional[str] = "model") -> KVCache:
+def cache_partition_specs(cache, *, data_axis: Optional[str] = "data",
+                          model_axis: Optional[str] = "model"):
     """A :class:`flax_attn.KVCache` of ``PartitionSpec``s: keys and values split over the batch
     (``data_axis``) and, for ``layout='BSKH'`` (``(B, S, K, H)``), over the key/value heads
     (``model_axis``); the default layout ``'BKSH'`` stores ``(B*K, S, H)``, whose merged axis is
     split over the batch only (each device holds all heads of its sequences: for tensor-parallel
-    decoding over heads create the cache with ``layout='BSKH'``). Positions and segment ids
-    ``(B, S)`` over the batch; the length replicated. Either axis may be None (not split).
+    decoding over heads create the cache with ``layout='BSKH'``), as is ``layout='blocks'``'s
+    ``(S // block, B*K, block, H)`` on its second axis. Positions and segment ids ``(B, S)`` over
+    the batch; the length replicated. Either axis may be None (not split).
+
+    A :class:`flax_attn.LatentKVCache` (multi-head latent attention) gives one of
+    ``PartitionSpec``s: its latents ``(B, S, r_kv + d_r)``, shared by all heads, split over the
+    batch only.
 
     The sequence axis S stays whole: each device holds all cached positions of its sequences and
     heads, so a decoding step needs no communication inside attention.
     """
+    rows = dict(positions=P(data_axis, None), segment_ids=P(data_axis, None), length=P())
+    if isinstance(cache, LatentKVCache):
+        return cache.replace(latent=P(data_axis, None, None), **rows)
     if not isinstance(cache, KVCache):
-        raise TypeError(f"cache_partition_specs takes a KVCache, got {type(cache).__name__}")
+        raise TypeError(f"cache_partition_specs takes a KVCache or a LatentKVCache, got {type(cache).__name__}")
     if cache.layout == "BSKH":
         _checks.check_rank("cache.key", cache.key, 4, "(B, S, K, H)")
         kv = P(data_axis, None, model_axis, None)
+    elif cache.layout == "blocks":  # (S // block, B*K, block, H): the batch-major units of every block
+        kv = P(None, data_axis, None, None)
     else:  # (B*K, S, H), batch-major: whole sequences (all their heads) per shard of the batch
         kv = P(data_axis, None, None)
-    return cache.replace(key=kv, value=kv, positions=P(data_axis, None), segment_ids=P(data_axis, None), length=P())
+    return cache.replace(key=kv, value=kv, **rows)
 
 
 __all__ = ["batch_specs", "cache_partition_specs", "make_mesh", "named_shardings", "partition_specs", "shard_batch",

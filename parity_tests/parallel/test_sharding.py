@@ -20,7 +20,8 @@ import pytest
 TOL = {"float64": 1e-12, "float32": 1e-5}
 MODULES = ["Attention gqa-rope-window-qknorm-biases-packed", "Attention t5 kv-replicated", "Attention fsdp",
            "MultiHeadAttention", "TransformerMultiHeadAttention cross-masked", "SelfAttention_v1", "SelfAttention_v2",
-           "CausalAttention", "MultiHeadAttentionWrapper"]
+           "CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadLatentAttention qlora-bias",
+           "MultiHeadLatentAttention absorbed"]
 RUNS = [(m, "float64") for m in MODULES] + [(MODULES[0], "float32"), ("MultiHeadAttention", "float32")]
 
 pytestmark = pytest.mark.slow  # a child process with 8 virtual devices
@@ -48,6 +49,11 @@ def _module(name, dtype):
     if name.startswith("Attention t5"):
         c = fa.AttentionConfig(d_model=D, num_heads=8, num_kv_heads=2, position="t5", causal=False)
         return fa.Attention(c, param_dtype=pd), (x, pos), {}
+    if name.startswith("MultiHeadLatentAttention"):
+        qlora = name.endswith("qlora-bias")
+        c = fa.MLAConfig(d_model=D, num_heads=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                         v_head_dim=8, q_lora_rank=16 if qlora else None, attention_bias=qlora, absorb=not qlora)
+        return fa.MultiHeadLatentAttention(c, param_dtype=pd), (x, pos), {}
     if name == "MultiHeadAttention":
         return fa.MultiHeadAttention(32, D, T, 0.0, 8, qkv_bias=True, param_dtype=pd), (x[..., :32],), \
             {"deterministic": True}
@@ -121,8 +127,9 @@ def _measure_module(name, dtype):
             "split": split}
 
 
-def _measure_cache():
-    """Greedy decoding with a sharded KV cache against one device: prefill 8 tokens, 6 steps."""
+def _measure_cache(layout):
+    """Greedy decoding with a sharded KV cache against one device: prefill 8 tokens, 6 steps.
+    ``layout``: a KVCache layout, or 'latent' (multi-head latent attention's cache)."""
     import jax
     import jax.numpy as jnp
 
@@ -132,8 +139,13 @@ def _measure_cache():
 
     mesh = fp.make_mesh((2, 4), ("data", "model"))
     B, D, V, prefix, steps = 4, 64, 50, 8, 6
-    config = fa.AttentionConfig(d_model=D, num_heads=8, num_kv_heads=4, position="rope", qk_norm=True)
-    layer = fa.Attention(config, param_dtype=jnp.float64)
+    if layout == "latent":
+        config = fa.MLAConfig(d_model=D, num_heads=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                              v_head_dim=8, absorb=True)
+        layer = fa.MultiHeadLatentAttention(config, param_dtype=jnp.float64)
+    else:
+        config = fa.AttentionConfig(d_model=D, num_heads=8, num_kv_heads=4, position="rope", qk_norm=True)
+        layer = fa.Attention(config, param_dtype=jnp.float64)
     rng = np.random.default_rng(3)
     table = rng.standard_normal((V, D))                    # token embeddings, tied read-out
     tokens = rng.integers(0, V, (B, prefix))
@@ -155,7 +167,11 @@ def _measure_cache():
         toks.append(nxt)
         return np.stack([np.asarray(t) for t in toks], 1), out, cache
 
-    cache = config.init_cache(batch=B, max_len=32, dtype=jnp.float64, layout="BSKH")  # heads can split
+    if layout == "latent":
+        cache = config.init_cache(B, 32, dtype=jnp.float64)
+    else:
+        blocks = {"block": 8} if layout == "blocks" else {}
+        cache = config.init_cache(batch=B, max_len=32, dtype=jnp.float64, layout=layout, **blocks)  # 'BSKH': heads split
     one_tokens, one_out, _ = decode(variables, cache, lambda a: a, jax.jit(step))
 
     cache_specs = fp.cache_partition_specs(cache, data_axis="data", model_axis="model")
@@ -165,12 +181,13 @@ def _measure_cache():
     place = lambda a: jax.device_put(np.asarray(a), batch)
     tokens_, out, final = decode(fp.shard_params(variables, param_specs, mesh),
                                  fp.shard_params(cache, cache_specs, mesh), place, sharded_step)
+    keys = final.latent if layout == "latent" else final.key
     return {"same_tokens": bool(np.array_equal(tokens_, one_tokens)),
             "tokens": tokens_.tolist(),
             "out": max(max_rel_error(a, b) for a, b in zip(out, one_out)),
-            "cache_key_spec": str(final.key.sharding.spec),
-            "cache_key_shard": list(final.key.addressable_shards[0].data.shape),
-            "cache_key_shape": list(final.key.shape),
+            "cache_key_spec": str(keys.sharding.spec),
+            "cache_key_shard": list(keys.addressable_shards[0].data.shape),
+            "cache_key_shape": list(keys.shape),
             "cache_positions_spec": str(final.positions.sharding.spec)}
 
 
@@ -201,7 +218,8 @@ def child():
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")
     assert jax.device_count() == 8, jax.devices()
-    return {"modules": {f"{m}|{d}": _measure_module(m, d) for m, d in RUNS}, "cache": _measure_cache(),
+    return {"modules": {f"{m}|{d}": _measure_module(m, d) for m, d in RUNS},
+            "cache": {layout: _measure_cache(layout) for layout in CACHE_SPLIT},
             "errors": _measure_errors()}
 
 
@@ -241,6 +259,13 @@ SPLIT = {
         "W_query/kernel": [[32, 64], [32, 16]], "W_query/bias": [[64], [16]], "W_key/kernel": [[32, 64], [32, 16]],
         "W_key/bias": [[64], [16]], "W_value/kernel": [[32, 64], [32, 16]], "W_value/bias": [[64], [16]],
         "out_proj/kernel": [[64, 64], [16, 64]]},
+    # the heads' projections split, the latent ones (q_a_proj, kv_a_proj_with_mqa) whole
+    "MultiHeadLatentAttention qlora-bias": {
+        "q_b_proj/kernel": [[16, 96], [16, 24]], "kv_b_proj/kernel": [[16, 128], [16, 32]],
+        "o_proj/kernel": [[64, 64], [16, 64]]},
+    "MultiHeadLatentAttention absorbed": {
+        "q_proj/kernel": [[64, 96], [64, 24]], "kv_b_proj/kernel": [[16, 128], [16, 32]],
+        "o_proj/kernel": [[64, 64], [16, 64]]},
     "TransformerMultiHeadAttention cross-masked": {
         "W_q/kernel": [[64, 64], [64, 16]], "W_q/bias": [[64], [16]], "W_k/kernel": [[64, 64], [64, 16]],
         "W_k/bias": [[64], [16]], "W_v/kernel": [[64, 64], [64, 16]], "W_v/bias": [[64], [16]],
@@ -262,13 +287,24 @@ def test_gradients_come_back_split_like_the_parameters(measured):
     assert "PartitionSpec(None, 'model')" in specs or "P(None, 'model')" in specs, specs
 
 
-def test_sharded_kv_cache_decodes_the_same_tokens(measured):
-    r = measured["cache"]
+# each cache layout's keys: (spec, global shape, one device's shard); batch 4 over 'data' (2 devices),
+# for 'BSKH' the 4 key/value heads over 'model' (4 devices); the 32 slots whole
+CACHE_SPLIT = {
+    "BSKH": ("P('data', None, 'model', None)", [4, 32, 4, 8], [2, 32, 1, 8]),
+    "BKSH": ("P('data', None, None)", [16, 32, 8], [8, 32, 8]),                 # (B*K, S, H)
+    "blocks": ("P(None, 'data', None, None)", [4, 16, 8, 8], [4, 8, 8, 8]),     # (S // 8, B*K, 8, H)
+    "latent": ("P('data', None, None)", [4, 32, 20], [2, 32, 20]),             # (B, S, r_kv + d_r)
+}
+
+
+@pytest.mark.parametrize("layout", list(CACHE_SPLIT))
+def test_sharded_kv_cache_decodes_the_same_tokens(measured, layout):
+    r = measured["cache"][layout]
     assert r["same_tokens"], r["tokens"]
     assert r["out"] <= TOL["float64"], r["out"]
-    # batch over 'data' (4 / 2), key/value heads over 'model' (4 / 4), the sequence whole
-    assert r["cache_key_spec"].replace("PartitionSpec", "P") == "P('data', None, 'model', None)"
-    assert r["cache_key_shard"] == [2, 32, 1, 8] and r["cache_key_shape"] == [4, 32, 4, 8]
+    spec, shape, shard = CACHE_SPLIT[layout]
+    assert r["cache_key_spec"].replace("PartitionSpec", "P") == spec
+    assert r["cache_key_shape"] == shape and r["cache_key_shard"] == shard
     assert r["cache_positions_spec"].replace("PartitionSpec", "P") == "P('data', None)"
 
 
@@ -337,7 +373,13 @@ def test_cache_specs():
     assert fp.cache_partition_specs(flat).key == P("data", None, None)   # whole sequences, all heads
     assert fp.cache_partition_specs(flat, data_axis=None).value == P(None, None, None)
     assert fp.cache_partition_specs(flat).positions == P("data", None)
-    with pytest.raises(TypeError, match="takes a KVCache"):
+    blocks = config.init_cache(batch=2, max_len=8, layout="blocks", block=4)      # (S // 4, B*K, 4, H)
+    assert fp.cache_partition_specs(blocks).key == P(None, "data", None, None)
+    latent = fa.MLAConfig(d_model=32, num_heads=4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                          v_head_dim=4).init_cache(2, 8)
+    latent_specs = fp.cache_partition_specs(latent)
+    assert latent_specs.latent == P("data", None, None) and latent_specs.positions == P("data", None)
+    with pytest.raises(TypeError, match="takes a KVCache or a LatentKVCache"):
         fp.cache_partition_specs({"key": 1})
 
 
