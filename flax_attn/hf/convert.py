@@ -131,6 +131,35 @@ def _layer_count(root, template, names) -> int:
     return max(found) + 1
 
 
+# The config keys that declare a stack's layer count, most specific first.
+_LAYER_COUNT_KEYS = {"encoder": ("encoder_layers", "num_layers", "num_hidden_layers", "n_layer"),
+                     "decoder": ("decoder_layers", "num_decoder_layers", "num_hidden_layers", "n_layer", "num_layers")}
+
+
+def _declared_layers(config: dict, stack) -> tuple[Optional[str], Optional[int]]:
+    """The config key declaring ``stack``'s layer count and its value, or ``(None, None)``."""
+    text = fam.text_config(config)
+    for key in _LAYER_COUNT_KEYS[stack.stack]:
+        if isinstance(text.get(key), int):
+            return key, text[key]
+    return None, None
+
+
+def _stack_layers(config: dict, stack, root: str, weights) -> int:
+    """The layers of ``stack`` to load: those in the weights, which must be the count the config
+    declares (DeepSeek's multi-token-prediction layers past it, ``num_nextn_predict_layers``,
+    are left out, as transformers leaves them)."""
+    count = _layer_count(root, stack.template, weights)
+    key, declared = _declared_layers(config, stack)
+    if declared is None or count == declared:
+        return count
+    extra = fam.text_config(config).get("num_nextn_predict_layers") or 0
+    if declared < count <= declared + extra:
+        return declared
+    raise ValueError(f"the config declares {key}={declared} but the weights hold {count} layers of "
+                     f"{root + stack.template} (a missing shard, or another model's config?)")
+
+
 class _Taker:
     """Takes weights by name, remembering which were used (so leftovers can be reported)."""
 
@@ -142,8 +171,12 @@ class _Taker:
             if required:
                 raise KeyError(f"missing weight {name!r}")
             return None
+        value = self.weights[name]
+        dtype = np.asarray(value).dtype
+        if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
+            raise TypeError(f"weight {name!r} has dtype {dtype}, not a floating dtype")
         self.used.add(name)
-        return self.weights[name]
+        return value
 
 
 def _linear(w, b, conv1d):
@@ -172,6 +205,9 @@ def load_attention(config: dict, weights: WeightsLike, *, dtype=None) -> list[HF
       NotImplementedError: the family (or an option of its config) needs a layer feature
         flax_attn lacks; the message names it (see ``flax_attn.hf.MISSING_FEATURES``).
       KeyError: a weight the family needs is absent.
+      ValueError: a weight's shape does not fit the config, or the weights hold another number of
+        layers than the config declares (``num_hidden_layers``, ``n_layer``, ``encoder_layers``, ...).
+      TypeError: a weight is not floating-point.
     """
     family = fam.family_of(config)
     fam.check_supported(family, config)
@@ -180,7 +216,7 @@ def load_attention(config: dict, weights: WeightsLike, *, dtype=None) -> list[HF
     take = _Taker(w)
     layers = []
     for stack in family.stacks:
-        count = _layer_count(root, stack.template, w)
+        count = _stack_layers(config, stack, root, w)
         table = None
         if family.t5_table and stack.kind == "self":
             table = take.get(f"{root}{stack.template.format(i=0)}.{family.t5_table}.weight")
@@ -245,19 +281,30 @@ def _mla_params(cfg: MLAConfig, prefix: str, take: _Taker):
     kernels, RMSNorm weights as ``scale``; ``attention_bias`` as the checkpoint has it."""
     has_bias = f"{prefix}.kv_a_proj_with_mqa.bias" in take.weights
     cfg = dataclasses.replace(cfg, attention_bias=has_bias)
-    params, bad = {}, []
+    params = {}
     for name, spec in mla_params(cfg).items():
         if "scale" in spec:  # an RMSNorm
             params[name] = {"scale": np.asarray(take.get(f"{prefix}.{name}.weight"))}
         else:
             params[name] = _linear(take.get(f"{prefix}.{name}.weight"),
                                    take.get(f"{prefix}.{name}.bias") if "bias" in spec else None, False)
+    _check_mla_shapes(prefix, cfg, params)
+    return cfg, params
+
+
+def _check_mla_shapes(prefix, cfg: MLAConfig, params):
+    """ValueError listing every parameter of ``params`` missing, extra or misshapen for ``cfg``."""
+    specs = mla_params(cfg)
+    bad = [f"{name}: not a parameter of this layer" for name in sorted(set(params) - set(specs))]
+    for name, spec in specs.items():
         for leaf, leaf_spec in spec.items():
-            if tuple(np.shape(params[name][leaf])) != tuple(leaf_spec.shape):
-                bad.append(f"{name}/{leaf}: shape {np.shape(params[name][leaf])}, the layer needs {leaf_spec.shape}")
+            got = params.get(name, {}).get(leaf)
+            if got is None:
+                bad.append(f"{name}/{leaf}: missing")
+            elif tuple(np.shape(got)) != tuple(leaf_spec.shape):
+                bad.append(f"{name}/{leaf}: shape {np.shape(got)}, the layer needs {leaf_spec.shape}")
     if bad:
         raise ValueError(f"{prefix} does not fit MLAConfig {cfg}:\n  " + "\n  ".join(bad))
-    return cfg, params
 
 
 def _has_qk_norm(params) -> bool:
@@ -320,6 +367,10 @@ def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
             raise ValueError(f"{name!r} is not an attention module path of family {family.name}")
         p = {k: v for k, v in params.items()}
         arr = lambda x: np.asarray(x)
+        if family.layer == "mla":
+            _check_mla_shapes(name, cfg, p)
+        else:
+            _check_shapes(name, cfg, p)
         if family.layer == "mla":
             for n, leaves in p.items():
                 for leaf, value in leaves.items():

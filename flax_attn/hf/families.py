@@ -287,7 +287,7 @@ def _optional_qk_norm(flag: str, **fields) -> dict:
 
 # ----------------------------------------------------------------------------- Llama 4
 
-def _text(cfg):
+def text_config(cfg):
     """The text model's config: Llama 4's composite ``llama4`` nests it as ``text_config``."""
     if cfg.get("model_type") == "llama4":
         return cfg.get("text_config") or cfg
@@ -309,7 +309,7 @@ def _llama4_fields(cfg, stack, i):
     ``use_qk_norm``, L2-normalise q and k per head (no weight; eps = rms_norm_eps); NoPE layers
     attend to everything before them and, with ``attn_temperature_tuning``, scale the queries by
     ``log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1``."""
-    cfg = _text(cfg)
+    cfg = text_config(cfg)
     N, D = cfg["num_attention_heads"], cfg["hidden_size"]
     H = cfg.get("head_dim") or D // N
     out = {"d_model": D, "num_heads": N, "num_kv_heads": cfg.get("num_key_value_heads") or N, "head_dim": H,

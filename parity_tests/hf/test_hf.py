@@ -125,6 +125,34 @@ def test_unknown_family_and_bad_weights():
         fhf.load_attention(config, weights)
 
 
+def test_layer_counts_dtypes_and_written_shapes_are_checked():
+    """The weights must hold the layers the config declares; weights must be floating-point;
+    to_hf_weights checks the params it writes against their config."""
+    weights = _llama_weights(np.random.default_rng(0), layers=2)
+    with pytest.raises(ValueError, match=r"declares num_hidden_layers=3 but the weights hold 2 layers of "
+                                         r"model.layers.\{i\}.self_attn"):
+        fhf.load_attention({**LLAMA, "num_hidden_layers": 3}, weights)
+    with pytest.raises(ValueError, match="declares n_layer=1"):
+        fhf.load_attention({**LLAMA, "n_layer": 1}, weights)
+    assert len(fhf.load_attention({**LLAMA, "num_hidden_layers": 2}, weights)) == 2
+    # DeepSeek's multi-token-prediction layer past num_hidden_layers is left out, as transformers does
+    deep = _deepseek_weights(np.random.default_rng(1))
+    deep.update({k.replace("layers.0.", "layers.1."): v for k, v in deep.items()})
+    assert len(fhf.load_attention({**DEEPSEEK, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}, deep)) == 1
+    with pytest.raises(ValueError, match="declares num_hidden_layers=1 but the weights hold 2"):
+        fhf.load_attention({**DEEPSEEK, "num_hidden_layers": 1}, deep)
+    ints = {**weights, "model.layers.1.self_attn.q_proj.weight": np.ones((8, 8), np.int64)}
+    with pytest.raises(TypeError, match="'model.layers.1.self_attn.q_proj.weight' has dtype int64, not a floating"):
+        fhf.load_attention(LLAMA, ints)
+    layers = fhf.load_attention(LLAMA, weights)
+    narrow = dataclasses.replace(layers[0], params={**layers[0].params, "q_proj": {"kernel": np.zeros((8, 4))}})
+    with pytest.raises(ValueError, match=r"q_proj/kernel: shape \(8, 4\), the layer needs \(8, 8\)"):
+        fhf.to_hf_weights(LLAMA, [narrow])
+    without_k = dataclasses.replace(layers[0], params={k: v for k, v in layers[0].params.items() if k != "k_proj"})
+    with pytest.raises(ValueError, match="k_proj: missing"):
+        fhf.to_hf_weights(LLAMA, [without_k])
+
+
 def test_rope_types_without_equivalent_raise():
     with pytest.raises(NotImplementedError, match="RoPE type 'mrope'"):
         fhf.rope_fields({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1.0}}, 8)
@@ -319,7 +347,7 @@ def test_llama4_by_hand():
     assert back.keys() == {k for k in weights if k.startswith("language_model.")}
     # The text model alone, with explicit flags: no QK-norm, no temperature tuning, NoPE first.
     text = {**LLAMA4["text_config"], "use_qk_norm": False, "attn_temperature_tuning": False,
-            "no_rope_layers": [0, 1]}
+            "no_rope_layers": [0, 1], "num_hidden_layers": 2}
     a, b = fhf.load_attention(text, _llama_weights(rng, layers=2))
     assert (a.config.position, a.config.temperature_tuning, b.config.position, b.config.qk_norm) == \
         ("none", None, "rope", False)
