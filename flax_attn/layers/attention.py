@@ -452,6 +452,9 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
                 raise ValueError(f"context has shape {context.shape}, expected ({B}, S, {D}) for x of shape {x.shape}")
         if cache is not None:
             raise ValueError("cache is for self-attention; pass either context or cache")
+    if cache is not None and not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache (AttentionConfig.init_cache or the layer's init_cache), "
+                        f"got {type(cache).__name__}")
     S_new = (context.key.shape[1] if precomputed else context.shape[1]) if cross else T
     needs_positions = c.position != "none" or cache is not None or c.temperature_tuning is not None
     positions = _batched_positions("positions", positions, B, T)
@@ -515,6 +518,17 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
             raise ValueError(f"a rolling cache of max_len={cache.max_len} is too small for "
                              f"sliding_window={c.sliding_window} and chunk_size={c.chunk_size}: "
                              f"use AttentionConfig.init_cache")
+        if cache.rolling and T > 1:
+            # Padding after a row's real tokens (right padding) takes ring slots without moving the
+            # row's positions on: the ring must hold the padding and a reach of keys behind it.
+            real = segment_ids >= 0
+            pads = jnp.max(jnp.sum((jnp.cumsum(real, axis=1) > 0) & ~real, axis=1))
+            _checks.runtime_check(
+                (pads == 0) | (pads + reach <= cache.max_len),
+                "a rolling cache of max_len={max_len} cannot take {pads} padding tokens after a row's real ones "
+                "(right padding): they fill ring slots and push out keys that its next tokens still see "
+                "(a reach of {reach}); left-pad the row instead, or create the cache with max_len >= {need}",
+                max_len=cache.max_len, pads=pads, reach=reach, need=pads + reach)
         # Padding keeps zeros in its slots, so no garbage (NaN in padded embeddings) is ever cached.
         pad = (segment_ids < 0)[:, :, None, None]
         k, v = jnp.where(pad, jnp.zeros_like(k), k), jnp.where(pad, jnp.zeros_like(v), v)

@@ -55,17 +55,19 @@ from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 
 
-def _fold_batch(name: str, x, batch: tuple, tail_layout: str, n_tail: int):
-    """``x`` broadcastable to ``batch + tail`` -> ``(prod(batch) or 1, *tail')``."""
+def _fold_batch(name: str, x, batch: tuple, full: tuple, layout: str):
+    """``x`` broadcastable to ``batch + full`` (``full`` = ``(N, T, S)``) -> ``(prod(batch) or 1,
+    *tail)``, its own shape quoted in the errors."""
     if x is None:
         return None
     shape = _checks.shape_of(x)
+    n_tail = len(full)
     if len(shape) > len(batch) + n_tail:
-        raise ValueError(f"{name} of shape {shape} has more dims than {tail_layout} with batch dims {batch}")
+        raise ValueError(f"{name} of shape {shape} has more dims than {layout}")
     padded = (1,) * (len(batch) + n_tail - len(shape)) + shape
     lead, tail = padded[:len(batch)], padded[len(batch):]
-    if any(d not in (1, b) for d, b in zip(lead, batch)):
-        raise ValueError(f"{name} of shape {shape} does not broadcast to the batch dims {batch} of {tail_layout}")
+    if any(d not in (1, b) for d, b in zip(padded, batch + tuple(full))):
+        raise ValueError(f"{name} of shape {shape} does not broadcast to {layout}")
     x = jnp.reshape(x, padded)
     if all(d == 1 for d in lead):
         return jnp.reshape(x, (1,) + tail)
@@ -141,8 +143,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             mask = mask != 0  # Flax: jnp.where(mask, logits, finfo.min), nonzero attends
-    mask4 = _fold_batch("mask", mask, batch, layout, 3)
-    bias4 = _fold_batch("bias", bias, batch, layout, 3)
+    mask4 = _fold_batch("mask", mask, batch, (N, T, S), layout)
+    bias4 = _fold_batch("bias", bias, batch, (N, T, S), layout)
     positions = {}
     if is_causal and T != S:  # Flax NNX's tril(ones(T, S)): query t sees keys 0..t (T == S: the default)
         positions = dict(query_positions=jnp.arange(T, dtype=jnp.int32), key_positions=jnp.arange(S, dtype=jnp.int32))

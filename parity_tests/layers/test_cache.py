@@ -76,6 +76,39 @@ def test_rolling_cache_needs_a_window_that_fits():
         layer.apply(params, x[:, :1], positions[:, :1], cache=small)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_right_padding_into_a_rolling_cache_needs_room_behind_it(jit):
+    """Padding after a row's real tokens fills ring slots without moving the row's positions on:
+    a ring of at least padding + window slots keeps what the next tokens see (and equals the
+    unpadded pass); a smaller one is refused instead of dropping those keys."""
+    config, layer, params, x, _ = _setup({"sliding_window": 4}, T=12, B=1)
+    seg = jnp.array([[0, 0, 0, -1, -1, -1, -1, -1]])                 # 3 real tokens, 5 padding
+    pos = jnp.array([[0, 1, 2, 0, 0, 0, 0, 0]])
+    real = jnp.concatenate([x[:, :3], x[:, 8:]], axis=1)             # the row without its padding
+    full = layer.apply(params, real, jnp.arange(7)[None])
+    apply = jax.jit(layer.apply) if jit else layer.apply
+    _, cache = apply(params, x[:, :8], pos, seg, cache=config.init_cache(batch=1, max_len=9, rolling=True))
+    for t in range(3, 7):
+        out, cache = apply(params, real[:, t:t + 1], jnp.array([[t]]), cache=cache)
+        assert_close(out[:, 0], full[:, t], np.float32, f"step at position {t}")
+    error = jax.errors.JaxRuntimeError if jit else ValueError
+    with pytest.raises(error, match=r"max_len=8 cannot take 5 padding tokens after a row's real ones .* max_len >= 9"):
+        jax.block_until_ready(apply(params, x[:, :8], pos, seg, cache=config.init_cache(batch=1, max_len=8, rolling=True)))
+    # left padding costs nothing: the real tokens are the newest
+    left = jnp.array([[-1, -1, -1, -1, -1, 0, 0, 0]])
+    apply(params, x[:, :8], jnp.array([[0, 0, 0, 0, 0, 0, 1, 2]]), left,
+          cache=config.init_cache(batch=1, max_len=3, rolling=True))
+
+
+def test_a_cache_of_another_kind_is_refused():
+    config, layer, params, x, positions = _setup({})
+    latent = fa.MLAConfig(d_model=D, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                          v_head_dim=4).init_cache(2, 16)
+    for cache in (latent, {"key": 1}):
+        with pytest.raises(TypeError, match=f"cache must be a KVCache .*, got {type(cache).__name__}"):
+            layer.apply(params, x, positions, cache=cache)
+
+
 def test_steps_compile_once():
     config, layer, params, x, positions = _setup({"num_kv_heads": 2, "sliding_window": 4})
     traces = []

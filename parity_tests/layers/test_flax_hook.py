@@ -251,8 +251,13 @@ def test_what_cannot_be_honoured_raises():
         flax_attention_fn(q, q, q, einsum_dot_general=jax.lax.dot_general)
     with pytest.raises(ValueError, match="dropout_rate=0.1 with deterministic=False needs dropout_rng"):
         flax_attention_fn(q, q, q, dropout_rate=0.1)
-    with pytest.raises(ValueError, match=r"mask of shape \(3, 1, 4, 4\) does not broadcast to the batch dims \(1,\)"):
+    layout = r"\[batch..., N, T, S\] = \(1, 2, 4, 4\)"
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 1, 4, 4\) does not broadcast to " + layout):
         flax_attention_fn(q, q, q, mask=jnp.ones((3, 1, 4, 4), bool))
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 4, 4\) does not broadcast to " + layout):  # N=2, not 3
+        flax_attention_fn(q, q, q, mask=jnp.ones((3, 4, 4), bool))
+    with pytest.raises(ValueError, match=r"bias of shape \(1, 1, 1, 4, 4\) has more dims than " + layout):
+        flax_attention_fn(q, q, q, bias=jnp.ones((1, 1, 1, 4, 4)))
     with pytest.raises(TypeError, match="query must be a floating-point array, got dtype int32"):
         flax_attention_fn(q.astype(jnp.int32), q, q)
     with pytest.raises(ValueError, match=r"must share their batch dims: query \(1, 4, 2, 8\), key \(2, 4, 2, 8\)"):
