@@ -73,13 +73,17 @@ def _positions(name, x, B, L):
     return jnp.asarray(x, jnp.int32).reshape(shape)
 
 
-def _lengths(name, x, B):
+def _lengths(name, x, B, L):
     if x is None:
         return None
     _checks.check_integer(name, x)
     shape = _checks.shape_of(x)
     if len(shape) != 1 or not _checks.dim_is(shape[0], (B,)):
         raise ValueError(f"{name} must have shape ({B},), got {shape}")
+    if not isinstance(x, jax.core.Tracer) and isinstance(L, int):  # values known now (traced ones are not checked)
+        values = np.asarray(x)
+        if np.any(values < 0) or np.any(values > L):
+            raise ValueError(f"{name} must lie in [0, {L}] (the axis they count), got {values.tolist()}")
     return jnp.asarray(x, jnp.int32)
 
 
@@ -109,8 +113,8 @@ def bind_mask(m: Mask, bias, B, N, T, S, *, score_mod=None, score_dtype=jnp.floa
         k_positions=_positions("key_positions", m.k_positions, B, S),
         q_segments=_positions("query_segment_ids", m.q_segments, B, T),
         k_segments=_positions("key_segment_ids", m.k_segments, B, S),
-        q_lengths=_lengths("query_seq_lengths", m.q_lengths, B),
-        kv_lengths=_lengths("key_value_seq_lengths", m.kv_lengths, B),
+        q_lengths=_lengths("query_seq_lengths", m.q_lengths, B, T),
+        kv_lengths=_lengths("key_value_seq_lengths", m.kv_lengths, B, S),
         dense=_dense("mask", m.dense, target, _checks.check_bool),
         bias=_dense("bias", bias, target, _checks.check_floating),
         shape=target,
@@ -135,6 +139,10 @@ def check_qkv(query, key, value):
             f"query {_checks.shape_of(query)}, key {_checks.shape_of(key)}, value {_checks.shape_of(value)}")
     if kH != H:
         raise ValueError(f"query and key head dims differ: query {(B, T, N, H)}, key {(kB, S, K, kH)}")
+    for what, d in (("number of query heads N", N), ("number of key/value heads K", K), ("head dim H", H)):
+        if isinstance(d, int) and d == 0:
+            raise ValueError(f"the {what} is 0: query {(B, T, N, H)}, key {(kB, S, K, kH)}; attention needs at "
+                             f"least one")
     _checks.check_divides("number of query heads N", N, "number of key/value heads K", K)
     return (B, T, N, H), (S, K, _checks.shape_of(value)[-1])
 

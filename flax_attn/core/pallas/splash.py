@@ -31,6 +31,7 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
+from flax_attn import _checks
 from flax_attn.core.mask import FAR
 from flax_attn.core.pallas import _common
 from flax_attn.core.registry import Result
@@ -53,6 +54,14 @@ class Splash(_common.Kernel):
     block_q: int = 128
     block_kv: int = 128
     block_bwd: int = 128
+
+    def __post_init__(self):
+        for field in ("block_q", "block_kv", "block_bwd"):
+            value = getattr(self, field)
+            _checks.check_positive_int(f"Splash {field}", value)
+            if value % LANES:
+                raise ValueError(f"Splash {field} must be a multiple of {LANES} (the kernel tiles sequences in "
+                                 f"the TPU's {LANES} lanes), got {value}")
 
     def supports(self, call) -> Optional[str]:
         return self.refusal(call) or _common.mask_refusals(call, segments=True, kv_lengths=True, window=True,
