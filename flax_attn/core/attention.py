@@ -68,8 +68,11 @@ def dot_product_attention(
         combined with the keyword rules below.
       scale: multiplies the logits; default ``1/sqrt(H)``.
       is_causal: a query may attend to keys at its own position or earlier.
-      query_seq_lengths: ``(B,)`` int; queries at index >= length attend to nothing (zeros out).
-      key_value_seq_lengths: ``(B,)`` int; keys at index >= length are blocked.
+      query_seq_lengths: ``(B,)`` int in ``[0, T]``; queries at index >= length attend to nothing
+        (zeros out).
+      key_value_seq_lengths: ``(B,)`` int in ``[0, S]``; keys at index >= length are blocked.
+        Lengths readable at the call (NumPy, or JAX arrays on CPU) outside their range raise
+        ``ValueError``; traced ones are not checked.
       local_window_size: ``w`` or ``(left, right)``: a query at position p may attend to keys
         at positions ``p - left .. p + right`` (``left + 1 + right`` keys, the
         ``jax.nn.dot_product_attention`` convention; ``w`` means ``(w, w)``). A causal sliding

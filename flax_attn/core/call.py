@@ -80,11 +80,21 @@ def _lengths(name, x, B, L):
     shape = _checks.shape_of(x)
     if len(shape) != 1 or not _checks.dim_is(shape[0], (B,)):
         raise ValueError(f"{name} must have shape ({B},), got {shape}")
-    if not isinstance(x, jax.core.Tracer) and isinstance(L, int):  # values known now (traced ones are not checked)
+    if isinstance(L, int) and _on_host(x):  # values known now, read without a device round trip
         values = np.asarray(x)
         if np.any(values < 0) or np.any(values > L):
             raise ValueError(f"{name} must lie in [0, {L}] (the axis they count), got {values.tolist()}")
     return jnp.asarray(x, jnp.int32)
+
+
+def _on_host(x) -> bool:
+    """Whether ``x``'s values can be read now without waiting on an accelerator: NumPy data, or a
+    concrete JAX array on CPU (traced values are not known until the program runs)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    if isinstance(x, jax.Array):
+        return all(d.platform == "cpu" for d in x.devices())
+    return True
 
 
 def _dense(name, x, target, check):
