@@ -27,9 +27,10 @@
   ``CheckpointMismatchError`` listing every difference, instead of producing a wrong model
   (``num_heads`` can change the model while every parameter keeps its shape). Fields that do
   not change the model may differ: dropout rates, ``precision``, ``implementation`` (a name or
-  an object), ``param_dtype`` (the saved dtype is restored), ``MLAConfig.absorb``. A field added to a configuration after a
-  checkpoint was saved (absent from its record) stands for its default: the checkpoint
-  restores into a module that keeps the default, and is refused by one that does not.
+  an object), ``param_dtype`` (the saved dtype is restored), ``MLAConfig.absorb``. A field
+  added to a configuration after a checkpoint was saved (absent from its record) stands for its
+  default: the checkpoint restores into a module that keeps the default, and is refused by one
+  that does not. ``save`` checks the variables against the module (names and shapes) first.
 
 Readers need no lock: a step becomes visible only once complete. A reader can still fail if a
 writer with ``keep=`` deletes the step it is reading (``FileNotFoundError``).

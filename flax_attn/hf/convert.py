@@ -369,14 +369,12 @@ def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
         arr = lambda x: np.asarray(x)
         if family.layer == "mla":
             _check_mla_shapes(name, cfg, p)
-        else:
-            _check_shapes(name, cfg, p)
-        if family.layer == "mla":
             for n, leaves in p.items():
                 for leaf, value in leaves.items():
                     hf = f"{prefix}.{n}.{'bias' if leaf == 'bias' else 'weight'}"
                     out[hf] = arr(value).T.copy() if leaf == "kernel" else arr(value)
             continue
+        _check_shapes(name, cfg, p)
         if family.fused:
             N, K, H = cfg.num_heads, cfg.kv_heads, cfg.kv_head_dim
             qi, ki, vi = fused_indices(family.fused_layout(config), N, K, H)
