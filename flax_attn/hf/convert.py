@@ -288,23 +288,8 @@ def _mla_params(cfg: MLAConfig, prefix: str, take: _Taker):
         else:
             params[name] = _linear(take.get(f"{prefix}.{name}.weight"),
                                    take.get(f"{prefix}.{name}.bias") if "bias" in spec else None, False)
-    _check_mla_shapes(prefix, cfg, params)
+    _check_shapes(prefix, cfg, params)
     return cfg, params
-
-
-def _check_mla_shapes(prefix, cfg: MLAConfig, params):
-    """ValueError listing every parameter of ``params`` missing, extra or misshapen for ``cfg``."""
-    specs = mla_params(cfg)
-    bad = [f"{name}: not a parameter of this layer" for name in sorted(set(params) - set(specs))]
-    for name, spec in specs.items():
-        for leaf, leaf_spec in spec.items():
-            got = params.get(name, {}).get(leaf)
-            if got is None:
-                bad.append(f"{name}/{leaf}: missing")
-            elif tuple(np.shape(got)) != tuple(leaf_spec.shape):
-                bad.append(f"{name}/{leaf}: shape {np.shape(got)}, the layer needs {leaf_spec.shape}")
-    if bad:
-        raise ValueError(f"{prefix} does not fit MLAConfig {cfg}:\n  " + "\n  ".join(bad))
 
 
 def _has_qk_norm(params) -> bool:
@@ -313,6 +298,8 @@ def _has_qk_norm(params) -> bool:
 
 
 def _check_shapes(prefix, cfg, params):
+    """ValueError listing every parameter of ``params`` missing or misshapen for ``cfg`` (an
+    AttentionConfig or an MLAConfig)."""
     from flax_attn.layers.attention import attention_params
     from flax_attn.layers.common import ParamSpec
 
@@ -328,9 +315,10 @@ def _check_shapes(prefix, cfg, params):
                 bad += walk(v, got[k], f"{path}{k}/")
         return bad
 
-    bad = walk(attention_params(cfg), params, "")
+    mla = isinstance(cfg, MLAConfig)
+    bad = walk(mla_params(cfg) if mla else attention_params(cfg), params, "")
     if bad:
-        raise ValueError(f"{prefix} does not fit AttentionConfig {cfg}:\n  " + "\n  ".join(bad))
+        raise ValueError(f"{prefix} does not fit {type(cfg).__name__} {cfg}:\n  " + "\n  ".join(bad))
 
 
 def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
@@ -367,14 +355,13 @@ def to_hf_weights(config: dict, layers, *, root: Optional[str] = None) -> dict:
             raise ValueError(f"{name!r} is not an attention module path of family {family.name}")
         p = {k: v for k, v in params.items()}
         arr = lambda x: np.asarray(x)
+        _check_shapes(name, cfg, p)
         if family.layer == "mla":
-            _check_mla_shapes(name, cfg, p)
             for n, leaves in p.items():
                 for leaf, value in leaves.items():
                     hf = f"{prefix}.{n}.{'bias' if leaf == 'bias' else 'weight'}"
                     out[hf] = arr(value).T.copy() if leaf == "kernel" else arr(value)
             continue
-        _check_shapes(name, cfg, p)
         if family.fused:
             N, K, H = cfg.num_heads, cfg.kv_heads, cfg.kv_head_dim
             qi, ki, vi = fused_indices(family.fused_layout(config), N, K, H)
