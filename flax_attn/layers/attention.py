@@ -509,6 +509,7 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
     written = None  # how many leading cache slots hold tokens
     in_place = False  # attending over the cache itself
     if cache is not None:
+        may_pad = segment_ids is not None  # padding comes only with segment ids
         if segment_ids is None:
             segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)
         cache.check_compatible(k, v, positions, segment_ids)
@@ -518,7 +519,7 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
             raise ValueError(f"a rolling cache of max_len={cache.max_len} is too small for "
                              f"sliding_window={c.sliding_window} and chunk_size={c.chunk_size}: "
                              f"use AttentionConfig.init_cache")
-        if cache.rolling and T > 1:
+        if cache.rolling and T > 1 and may_pad:
             # Padding after a row's real tokens (right padding) takes ring slots without moving the
             # row's positions on: the ring must hold the padding and a reach of keys behind it.
             real = segment_ids >= 0
