@@ -5,7 +5,7 @@
 #
 #     bash benchmarks/gpu.sh [OUTDIR]      # default: benchmarks/results
 #
-# Each stage has its own time limit and the next runs whatever the last gave; everything is
+# Each stage has its own time limit (SWEEP_LIMIT=0 skips the sweep) and the next runs whatever the last gave; everything is
 # logged to OUTDIR/gpu-run.log, the benchmark results go to OUTDIR as usual.
 set -u
 cd "$(dirname "$0")/.."
@@ -31,5 +31,5 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false stage tests "${TEST_LIMIT:-300}" "$py" -m py
     parity_tests/core/test_conformance.py parity_tests/core/test_registry.py \
     -k "gpu or cudnn or ((pallas_triton or pallas_decode) and not interpret)"
 stage layer-decode "${LAYER_LIMIT:-240}" "$py" -m benchmarks.run --parts layer,decode --repeats 20 --out "$out"
-stage sweep "${SWEEP_LIMIT:-240}" "$py" -m benchmarks.run --parts sweep --lengths "${LENGTHS:-2048,16384}" --repeats 10 \
+[ "${SWEEP_LIMIT:-240}" -gt 0 ] && stage sweep "${SWEEP_LIMIT:-240}" "$py" -m benchmarks.run --parts sweep --lengths "${LENGTHS:-2048,16384}" --repeats 10 \
     --out "$out"

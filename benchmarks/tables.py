@@ -132,7 +132,7 @@ def tables(results: dict) -> str:
     if "decoding" in results:
         d = results["decoding"]
         parts.append(f"Cached generation after {d['prefix']:,} tokens: {d['cached_s_per_token'] * 1e3:.2f} ms a token "
-                     f"against {d['recompute_s_per_token'] * 1e3:.2f} ms recomputing the prefix ({d['speedup']:.0f}x).")
+                     f"against {d['recompute_s_per_token'] * 1e3:.2f} ms recomputing the prefix ({d['speedup']:.3g}x).")
     return "\n\n".join(parts)
 
 
