@@ -72,7 +72,7 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
       (or the pytree of caches the module takes). ``step.check()`` raises the failed check of
       any step not yet read. ``step.jitted`` is the underlying ``jax.jit`` function (e.g.
       ``step.jitted._cache_size()`` counts its compilations); it returns ``((out, cache),
-      (ok, checks))``.
+      checks)``, ``checks`` one int32 vector (the verdicts and values of the run-time checks).
 
     Example::
 
@@ -124,23 +124,23 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
 
 
 def _checked(call):
-    """``call`` returning ``(result, (ok, checks))``: its run-time checks as outputs
-    (:func:`flax_attn._checks.deferred_checks`) and ``ok``, whether all held; when one
-    fails, the floating leaves of ``result[0]`` (the step's ``out``) are NaN."""
+    """``call`` returning ``(result, checks)``: its run-time checks packed into one int32 vector
+    (:func:`flax_attn._checks.deferred_checks`, :meth:`~flax_attn._checks.Deferred.outputs`);
+    when one fails, the floating leaves of ``result[0]`` (the step's ``out``) are NaN."""
     def run(*args):
         with _checks.deferred_checks() as deferred:
             out, *rest = call(*args)
         ok = deferred.all_ok()
         poison = lambda y: jnp.where(ok, y, jnp.nan) if jnp.issubdtype(y.dtype, jnp.inexact) else y
-        return (jax.tree.map(poison, out), *rest), (ok, deferred.outputs())
+        return (jax.tree.map(poison, out), *rest), deferred.outputs()
 
     return run
 
 
 class _Reader:
     """Reads the checks of a step's calls: a prefill's (more than one token) at once, a
-    one-token step's ``lag`` calls later or at :meth:`check`. Each step's ``ok`` starts its
-    way to the host when the step is dispatched; only a failed step's checks are read whole."""
+    one-token step's ``lag`` calls later or at :meth:`check`. Each step's checks (one small
+    int32 vector) start their way to the host when the step is dispatched."""
 
     def __init__(self, lag: int):
         self.lag = lag
@@ -152,15 +152,17 @@ class _Reader:
 
     def _read(self, keep: int) -> None:
         while len(self.pending) > keep:
-            ok, checks = self.pending.popleft()
-            if not bool(ok):
-                self.pending.clear()
+            checks = self.pending.popleft()
+            try:
                 _checks.raise_failed(checks, " (found after that decoding step ran; its output is NaN)")
+            except ValueError:
+                self.pending.clear()
+                raise
 
     def __call__(self, answer, x):
-        result, (ok, checks) = answer
-        ok.copy_to_host_async()
-        self.pending.append((ok, checks))
+        result, checks = answer
+        checks.copy_to_host_async()
+        self.pending.append(checks)
         self._read(keep=self.lag if jnp.shape(x)[1] == 1 else 0)
         return result
 

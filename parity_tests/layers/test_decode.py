@@ -226,6 +226,37 @@ def test_decode_step_checks_without_host_callbacks():
         fa.decode_step(layer, check_lag=0)
 
 
+def test_deferred_checks_are_one_packed_output():
+    """A program's deferred checks leave it as one int32 vector (a step returns out, the cache's
+    leaves and that vector); the message of the first failed check gets its values back exactly,
+    whatever their dtype and shape, and values known at trace time as given."""
+    from flax_attn import _checks
+
+    config, layer, params, x, positions = _setup({})
+    step = fa.decode_step(layer)
+    answer = step.jitted(params, layer.init_cache(2, 6), x[:, :2], positions[:, :2], None)
+    (out, cache), checks = answer
+    assert len(jax.tree.leaves(answer)) == 1 + len(jax.tree.leaves(cache)) + 1
+    assert checks.dtype == jnp.int32 and checks.ndim == 1
+
+    values = {"b": jnp.array([True, False]), "i8": jnp.array([-7, 100], jnp.int8), "u32": jnp.uint32(4_000_000_000),
+              "f": jnp.float32(-0.125), "bf": jnp.array([[1.5, -3.0]], jnp.bfloat16), "i": jnp.arange(6).reshape(2, 3)}
+
+    def program(flag, values):
+        with _checks.deferred_checks() as deferred:
+            _checks.runtime_check(flag > 0, "first: {n}", n=flag)
+            _checks.runtime_check(flag > 1, "second: {b} {i8} {u32} {f} {bf} {i} {static}", static=7, **values)
+        return deferred.outputs()
+
+    packed = jax.jit(program)(jnp.int32(2), values)
+    _checks.raise_failed(packed)  # both held
+    with pytest.raises(ValueError, match=r"^second: \[True, False\] \[-7, 100\] 4000000000 -0.125 \[\[1.5, -3.0\]\] "
+                                         r"\[\[0, 1, 2\], \[3, 4, 5\]\] 7 after$"):
+        _checks.raise_failed(jax.jit(program)(jnp.int32(1), values), " after")
+    with pytest.raises(ValueError, match=r"^first: 0$"):
+        _checks.raise_failed(jax.jit(program)(jnp.int32(0), values))
+
+
 def test_cache_dtype_follows_the_layer_and_a_mismatch_is_an_error():
     for dtype in (jnp.float64, jnp.bfloat16, jnp.float32):
         layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N), param_dtype=dtype)
