@@ -124,7 +124,7 @@ class Deferred:
             entries = []
             for name, value in values.items():
                 if isinstance(value, (bool, int, float, np.generic, np.ndarray)):
-                    entries.append((name, None, None, value))
+                    entries.append((name, None, None, np.asarray(value).tolist()))  # whole in the layout's repr
                 else:
                     value = jnp.asarray(value)
                     entries.append((name, value.shape, value.dtype, None))
