@@ -35,6 +35,12 @@ def check_floating(name: str, x) -> None:
         raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
 
 
+def check_floating_dtype(name: str, dtype) -> None:
+    """``TypeError`` unless ``dtype`` (a dtype argument, not an array) is a floating dtype."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {np.dtype(dtype).name}")
+
+
 def check_bool(name: str, x) -> None:
     dtype = dtype_of(x)
     if dtype != np.bool_:

@@ -125,7 +125,7 @@ def dot_product_attention(
       Logits and softmax are computed in at least float32, whatever the input dtype.
       With ``T != S`` the causal mask is aligned to the end of the keys (see
       ``query_positions``); ``jax.nn.dot_product_attention`` aligns it to the start.
-      Empty inputs (``T == 0`` or ``S == 0``) give an empty output or zeros.
+      Empty inputs (``B == 0``, ``T == 0`` or ``S == 0``) give an empty output or zeros.
     """
     _checks.check_rank("query", query, (3, 4), "BTNH or TNH")
     unbatched = np.ndim(query) == 3
@@ -141,7 +141,7 @@ def dot_product_attention(
                     dropout_rng=dropout_rng, deterministic=deterministic, return_weights=return_weights,
                     return_residual=return_residual, precision=precision, score_mod=score_mod, sinks=sinks)
     impl = registry.resolve(implementation, call)
-    if call.T == 0 or call.S == 0:
+    if call.B == 0 or call.T == 0 or call.S == 0:
         result = _empty(call)
     else:
         result = _run(impl, implementation is None, call, query, key, value, dropout_rng)
@@ -206,7 +206,7 @@ def _drop_invisible(call, query, key, value, keys_zeroed_by_impl: bool = False):
 
 
 def _empty(call) -> registry.Result:
-    """T == 0 or S == 0: nothing to attend to; every output is empty or zero."""
+    """B == 0, T == 0 or S == 0: nothing to attend to; every output is empty or zero."""
     B, T, N, S = call.B, call.T, call.N, call.S
     return registry.Result(out=jnp.zeros((B, T, N, call.Hv), call.dtype),
                            lse=jnp.full((B, T, N), -jnp.inf, call.acc_dtype),

@@ -51,11 +51,18 @@ class Dropout:
     """Mixin for modules with dropout on the attention weights (see the module docstring)."""
 
     def _init_dropout(self, rate: float, deterministic: Optional[bool], rngs) -> None:
+        """Keep a fork of ``rngs``' dropout stream; none when ``rngs`` has none (an
+        ``nnx.Rngs(params=...)``): the calls that drop must then pass ``rngs``."""
         self.deterministic = deterministic
-        if rate > 0 and rngs is not None:
-            self.rngs = rngs.dropout.fork() if isinstance(rngs, nnx.Rngs) else rngs.fork()
-        else:
-            self.rngs = nnx.data(None)
+        stream = None
+        if rate > 0 and isinstance(rngs, nnx.Rngs):
+            try:
+                stream = rngs.dropout  # the 'dropout' stream, or the 'default' one
+            except AttributeError:
+                stream = None
+        elif rate > 0 and rngs is not None:
+            stream = rngs
+        self.rngs = stream.fork() if stream is not None else nnx.data(None)
 
     def _resolve_deterministic(self, deterministic: Optional[bool]) -> Optional[bool]:
         return self.deterministic if deterministic is None else deterministic

@@ -17,9 +17,11 @@ import dataclasses
 from typing import Mapping, Optional
 
 import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from flax_attn import _checks
 from flax_attn.interop import StateDictError
 from flax_attn.nnx import layers, textbook
 
@@ -90,6 +92,9 @@ def _load(module: nnx.Module, params: Mapping) -> nnx.Module:
                  for p in sorted(set(got) - set(want), key=name)]
     problems += [f"parameter {name(p)} has shape {tuple(np.shape(got[p]))}, expected {tuple(np.shape(want[p]))}"
                  for p in sorted(set(got) & set(want), key=name) if tuple(np.shape(got[p])) != tuple(np.shape(want[p]))]
+    floating = lambda x: jnp.issubdtype(_checks.dtype_of(x), jnp.floating)
+    problems += [f"parameter {name(p)} has dtype {_checks.dtype_of(got[p])}, expected a floating dtype as the module's"
+                 for p in sorted(set(got) & set(want), key=name) if floating(want[p]) and not floating(got[p])]
     if problems:
         raise StateDictError(f"params do not fit {type(module).__name__}:\n  " + "\n  ".join(problems))
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(got))
@@ -109,7 +114,8 @@ def from_linen(target, variables: Mapping, *, rngs: Optional[nnx.Rngs] = None, *
         Default ``nnx.Rngs(0)``.
 
     Raises:
-      StateDictError: listing every missing, unexpected or mis-shaped parameter.
+      StateDictError: listing every missing, unexpected or mis-shaped parameter, and every
+        non-floating one where the module's is floating.
     """
     params = variables["params"] if "params" in variables else variables
     if isinstance(target, nnx.Module):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -84,8 +85,8 @@ class CausalAttention(Dropout, nnx.Module):
 class MultiHeadAttentionWrapper(Dropout, nnx.Module):
     """``num_heads`` :class:`CausalAttention` heads (``heads_0`` ...), concatenated, as an NNX
     module: ``(B, T, d_in)`` -> ``(B, T, num_heads * d_out)``. Each head draws its dropout key
-    from its own stream (or, in turn, from the call's ``rngs``). Twin of
-    :class:`flax_attn.MultiHeadAttentionWrapper`."""
+    from its own stream (or, in turn, from the call's ``rngs``; a key given as ``rngs`` is split
+    into one per head). Twin of :class:`flax_attn.MultiHeadAttentionWrapper`."""
 
     linen_class = chapter.MultiHeadAttentionWrapper
 
@@ -103,7 +104,9 @@ class MultiHeadAttentionWrapper(Dropout, nnx.Module):
     def __call__(self, x, *, deterministic: Optional[bool] = None, rngs=None):
         keys = None
         if dropout_on(self.dropout, self._resolve_deterministic(deterministic), "CausalAttention", DROPOUT_HOW):
-            keys = [getattr(self, f"heads_{i}")._dropout_key(self.dropout, False, rngs, "CausalAttention")
+            per_head = list(jax.random.split(rngs, self.num_heads)) if isinstance(rngs, jax.Array) else \
+                [rngs] * self.num_heads  # a stream (or None: each head's own) is drawn from in turn
+            keys = [getattr(self, f"heads_{i}")._dropout_key(self.dropout, False, per_head[i], "CausalAttention")
                     for i in range(self.num_heads)]
         return chapter.multi_head_attention_wrapper(self.d_in, self.context_length, self.dropout, self.num_heads,
                                                     params_of(self), x, dropout_rngs=keys, precision=self.precision)

@@ -51,5 +51,6 @@ def alibi_bias(slopes, query_positions, key_positions, *, dtype=None):
         dtype = jnp.promote_types(jnp.asarray(slopes).dtype, jnp.float32)
         if not jnp.issubdtype(dtype, jnp.floating):
             dtype = jnp.float32
+    _checks.check_floating_dtype("alibi_bias dtype", dtype)
     distance = jnp.abs(query_positions[..., :, None] - key_positions[..., None, :]).astype(dtype)
     return -jnp.asarray(slopes, dtype)[:, None, None] * distance[..., None, :, :]

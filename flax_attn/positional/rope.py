@@ -80,8 +80,10 @@ class RopeScaling:
 
     def __post_init__(self):
         _checks.check_one_of("RopeScaling kind", self.kind, SCALING_KINDS)
-        if not (isinstance(self.factor, (int, float)) and self.factor > 0):
-            raise ValueError(f"RopeScaling factor must be a positive number, got {self.factor!r}")
+        if not (isinstance(self.factor, (int, float, np.integer, np.floating)) and not isinstance(self.factor, bool)
+                and np.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"RopeScaling factor must be a finite positive number, got {self.factor!r}")
+        object.__setattr__(self, "factor", self.factor if isinstance(self.factor, int) else float(self.factor))
         if self.kind in ("llama3", "yarn", "dynamic", "longrope"):
             _checks.check_positive_int("RopeScaling original_max_position_embeddings",
                                        self.original_max_position_embeddings)
@@ -241,9 +243,16 @@ def apply_rope(x, positions, *, theta: float = 10000.0, layout: str = "rotate_ha
     T, H = x.shape[-3], x.shape[-1]
     lead = x.shape[:-3]
     if _checks.shape_of(positions) not in ((T,), lead + (T,)):
-        raise ValueError(f"positions must have shape ({T},) or {lead + (T,)} for x of shape {x.shape}, "
+        shapes = f"({T},) or {lead + (T,)}" if lead else f"({T},)"
+        raise ValueError(f"positions must have shape {shapes} for x of shape {x.shape}, "
                          f"got {_checks.shape_of(positions)}")
-    rd = H if rotary_dim is None else rotary_dim
+    if rotary_dim is None:
+        if H % 2:
+            raise ValueError(f"RoPE rotates pairs of features: the head dim H={H} of x {x.shape} is odd; "
+                             f"rotate an even part of it with rotary_dim=")
+        rd = H
+    else:
+        rd = rotary_dim
     if not (isinstance(rd, (int, np.integer)) and 2 <= rd <= H and rd % 2 == 0):
         raise ValueError(f"rotary_dim must be an even number in [2, H={H}], got {rotary_dim}")
     scaling = as_scaling(scaling)

@@ -32,6 +32,9 @@ def sinusoidal_positions(positions, d_model: int, *, base: float = 10000.0, dtyp
     """
     _checks.check_positive_int("d_model", d_model)
     _checks.check_integer("positions", positions)
+    _checks.check_floating_dtype("sinusoidal_positions dtype", dtype)
+    if not (isinstance(base, (int, float, np.integer, np.floating)) and np.isfinite(base) and base > 0):
+        raise ValueError(f"sinusoidal_positions base must be a finite positive number, got {base!r}")
     div_term = jnp.exp(jnp.arange(0, d_model, 2, dtype=dtype) * jnp.asarray(-math.log(base) / d_model, dtype))
     angles = jnp.asarray(positions).astype(dtype)[..., None] * div_term
     pairs = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)

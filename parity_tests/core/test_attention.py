@@ -184,3 +184,16 @@ def test_sinks_with_weights():
     # the weights and the sink's share make 1; out is the weighted sum of the values
     np.testing.assert_allclose(w.sum(-1) + jnp.exp(sinks[None, :, None] - jnp.swapaxes(lse, 1, 2)), 1.0, rtol=1e-13)
     np.testing.assert_allclose(out, jnp.einsum("bnts,bsnh->btnh", w, v), rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2, 4), (2, 0, 2, 4)])
+def test_empty_batch_or_queries_give_empty_outputs_and_gradients(shape):
+    """No sequences (B == 0) or no queries (T == 0): an empty output of the right shape, and
+    empty gradients, on the default path and through a layer."""
+    q = jnp.ones(shape)
+    out = fa.dot_product_attention(q, q, q, is_causal=True)
+    assert out.shape == shape
+    assert jax.grad(lambda q: fa.dot_product_attention(q, q, q).sum())(q).shape == shape
+    layer = fa.CausalAttention(3, 2, 5, 0.0)
+    x = jnp.ones(shape[:2] + (3,))
+    assert layer.apply(layer.init(jax.random.key(0), x), x).shape == shape[:2] + (2,)

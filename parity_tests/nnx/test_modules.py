@@ -299,6 +299,37 @@ def test_chapter_dropout_modules(name, args):
                                       causal_attention(3, 6, 0.5, params, x, dropout_rng=key))
 
 
+def test_dropout_modules_build_without_a_dropout_stream():
+    """An nnx.Rngs with no dropout stream (params only) builds the module; its calls that drop
+    take the key at the call, and without one say so."""
+    config, x, positions = _dropout_attention()
+    model = fnnx.Attention(config, deterministic=True, rngs=nnx.Rngs(params=0))
+    x = x.astype(jnp.float32)
+    model(x, positions)
+    with pytest.raises(ValueError, match=r"Attention applies dropout \(deterministic=False\) but has no dropout key"):
+        model(x, positions, deterministic=False)
+    a = model(x, positions, deterministic=False, rngs=nnx.Rngs(dropout=4))
+    np.testing.assert_array_equal(a, model(x, positions, deterministic=False, rngs=nnx.Rngs(dropout=4)))
+    for name, args in (("CausalAttention", (3, 4, 6, 0.5)), ("MultiHeadAttention", (3, 4, 6, 0.5, 2)),
+                       ("MultiHeadAttentionWrapper", (3, 2, 6, 0.5, 2))):
+        getattr(fnnx, name)(*args, rngs=nnx.Rngs(params=0))(jnp.ones((1, 6, 3)), deterministic=True)
+
+
+def test_wrapper_heads_drop_independently_with_a_key():
+    """Heads of equal weights given one key at the call still draw different masks (the key
+    is split per head), as they do from a stream."""
+    x = _floats(np.random.default_rng(7), (1, 6, 3), jnp.float32)
+    model = fnnx.MultiHeadAttentionWrapper(3, 2, 6, 0.5, 3, rngs=nnx.Rngs(0))
+    for i in (1, 2):
+        nnx.update(getattr(model, f"heads_{i}"), nnx.state(model.heads_0, nnx.Param))
+    np.testing.assert_array_equal(model(x, deterministic=True)[..., :2], model(x, deterministic=True)[..., 2:4])
+    for rngs in (jax.random.key(5), nnx.Rngs(dropout=5)):
+        y = np.asarray(model(x, deterministic=False, rngs=rngs))
+        assert not np.array_equal(y[..., 0:2], y[..., 2:4]) and not np.array_equal(y[..., 2:4], y[..., 4:6])
+    np.testing.assert_array_equal(model(x, deterministic=False, rngs=jax.random.key(5)),
+                                  model(x, deterministic=False, rngs=jax.random.key(5)))
+
+
 # ---------------------------------------------------------------- conversions
 
 def test_from_linen_forms_and_round_trip():
@@ -316,6 +347,9 @@ def test_from_linen_forms_and_round_trip():
         for p in want:
             assert got[p].dtype == want[p].dtype and np.array_equal(got[p], want[p]), p
     assert fnnx.linen_twin(a) == linen
+    with pytest.raises(fa.interop.StateDictError, match=r"parameter q_proj/kernel has dtype int32, expected a "
+                                                         r"floating dtype as the module's"):
+        fnnx.from_linen(linen, jax.tree.map(lambda v: v.astype(jnp.int32), variables))
     twin = fnnx.nnx_twin(linen, rngs=nnx.Rngs(0))
     assert type(twin) is fnnx.Attention and twin.config == config
     # any NNX module converts: Flax's own

@@ -5,6 +5,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import flax_attn as fa
@@ -36,7 +37,20 @@ CASES = {
                                                 short_factor=(1.0, -1.0), long_factor=(1.0, 2.0)), ValueError,
                          "longrope needs short_factor: positive numbers, one per frequency, got (1.0, -1.0)"),
     "rope scaling factor": (lambda: fa.RopeScaling(kind="linear", factor=0), ValueError,
-                            "RopeScaling factor must be a positive number, got 0"),
+                            "RopeScaling factor must be a finite positive number, got 0"),
+    "rope scaling factor inf": (lambda: fa.RopeScaling(kind="linear", factor=float("inf")), ValueError,
+                                "RopeScaling factor must be a finite positive number, got inf"),
+    "rope odd head dim": (lambda: fa.apply_rope(z(2, 5, 3, 7), jnp.arange(5)), ValueError,
+                          "RoPE rotates pairs of features: the head dim H=7 of x (2, 5, 3, 7) is odd; "
+                          "rotate an even part of it with rotary_dim="),
+    "rope unbatched positions shape": (lambda: fa.apply_rope(z(5, 3, 8), z(2, 5, dtype=jnp.int32)), ValueError,
+                                       "positions must have shape (5,) for x of shape (5, 3, 8), got (2, 5)"),
+    "sinusoidal integer dtype": (lambda: fa.sinusoidal_positions(jnp.arange(3), 4, dtype=jnp.int32), TypeError,
+                                 "sinusoidal_positions dtype must be a floating dtype, got int32"),
+    "sinusoidal base": (lambda: fa.sinusoidal_positions(jnp.arange(3), 4, base=0.0), ValueError,
+                        "sinusoidal_positions base must be a finite positive number, got 0.0"),
+    "alibi integer dtype": (lambda: fa.alibi_bias(fa.alibi_slopes(4), jnp.arange(3), jnp.arange(4), dtype=jnp.int32),
+                            TypeError, "alibi_bias dtype must be a floating dtype, got int32"),
     "yarn needs original length": (lambda: fa.RopeScaling(kind="yarn", factor=4.0), ValueError,
                                    "RopeScaling original_max_position_embeddings must be a positive integer, got None"),
     "rope scaling unknown field": (lambda: fa.rope.as_scaling({"kind": "linear", "factor": 2, "type": "x"}),
@@ -66,3 +80,9 @@ def test_error_fires_under_jit(case):
         message = "positions must have shape (5,) or (2, 5) for x of shape (2, 5, 4, 8), got (6,)"
     with pytest.raises(exc, match=re.escape(message)):
         jax.jit(JIT_CASES[case])(z(2, 5, 4, 8))
+
+
+def test_scaling_factor_takes_numpy_numbers():
+    """A factor read from a config as a NumPy scalar is a number like any other."""
+    for factor in (np.float32(2.0), np.int64(2), 2, 2.0):
+        assert fa.RopeScaling(kind="linear", factor=factor) == fa.RopeScaling(kind="linear", factor=2.0)
