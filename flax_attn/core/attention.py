@@ -103,8 +103,10 @@ def dot_product_attention(
         the mask (a masked pair stays masked, whatever its score). Written for scalars and
         evaluated elementwise, block by block: ``score`` in the accumulation dtype, ``b`` the
         batch row, ``n`` the query head, ``q_idx``/``k_idx`` the positions the mask uses
-        (``query_positions``/``key_positions`` when given), all int32. Gradients reach the
-        arrays it closes over (e.g. a learned bias table). User mask rules go in ``mask``:
+        (``query_positions``/``key_positions`` when given), all int32; only positions that
+        exist are passed (padded blocks repeat the last). Gradients reach the arrays it closes
+        over (e.g. a learned bias table); like PyTorch's, they need the rule finite at masked
+        pairs too (a NaN there gives NaN gradients through the mask). User mask rules go in ``mask``:
         ``flax_attn.core.mask.mask_mod(fn) & causal()``.
       sinks: ``(N,)`` floating, attention sinks (gpt-oss): a learned logit per query head that
         joins the softmax denominator of every query and carries no value. The returned

@@ -189,7 +189,18 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
         keyword = keyword & mask_lib.lengths(query_seq_lengths, key_value_seq_lengths)
     acc_dtype = jnp.promote_types(_checks.dtype_of(query), jnp.float32)
-    bound = bind_mask(rules & keyword, bias, B, N, T, S, score_mod=score_mod, score_dtype=acc_dtype)
+    if rules.bound:
+        raise ValueError("mask: pass an unbound description (from flax_attn.core.mask's builders), not one "
+                         "already bound to a call")
+    for field, what, given in (("q_positions", "positions", "query_positions=/key_positions="),
+                               ("q_segments", "segment ids", "query_segment_ids=/key_segment_ids="),
+                               ("q_lengths", "query lengths", "query_seq_lengths="),
+                               ("kv_lengths", "key/value lengths", "key_value_seq_lengths=")):
+        if getattr(rules, field) is not None and getattr(keyword, field) is not None:
+            raise ValueError(f"mask= gives {what} and so does {given}: give them once, in the description "
+                             "or as keyword arguments")
+    combined = rules & keyword
+    bound = bind_mask(combined, bias, B, N, T, S, score_mod=score_mod, score_dtype=acc_dtype)
     if sinks is not None:
         _checks.check_floating("sinks", sinks)
         if _checks.shape_of(sinks) != (N,):

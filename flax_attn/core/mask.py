@@ -120,6 +120,11 @@ class Mask:
             a, b = getattr(self, name), getattr(other, name)
             if a is not None and b is not None:
                 if name == "dense":
+                    try:
+                        np.broadcast_shapes(_checks.shape_of(a), _checks.shape_of(b))
+                    except ValueError:
+                        raise ValueError(f"both mask descriptions give a dense mask, of shapes {_checks.shape_of(a)} "
+                                         f"and {_checks.shape_of(b)}, which do not broadcast together") from None
                     fields[name] = jnp.logical_and(a, b)
                     continue
                 what = {"q_positions": "positions", "q_segments": "segment ids", "q_lengths": "query lengths",
@@ -191,10 +196,13 @@ class Mask:
     def positions(self, b, q_start, bq: int, k_start, bk: int):
         """Positions of queries ``q_start + [0, bq)`` and keys ``k_start + [0, bk)`` of batch row ``b``."""
         _, _, T, S = self._dims()
-        # default_positions: keys at 0..S-1, queries at the last T of them
-        qp = (q_start + jnp.arange(bq, dtype=jnp.int32) + (S - T) if self.q_positions is None
+        # default_positions: keys at 0..S-1, queries at the last T of them. A block's rows and
+        # columns past T / S (padding, blocked) repeat the last real position, as the padded
+        # position arrays do (:meth:`padded`): user rules only ever see positions that exist, so
+        # a rule undefined past them cannot reach a derivative through the blocked pairs.
+        qp = (jnp.minimum(q_start + jnp.arange(bq, dtype=jnp.int32), T - 1) + (S - T) if self.q_positions is None
               else _rows(self.q_positions, b, q_start, bq))
-        kp = (k_start + jnp.arange(bk, dtype=jnp.int32) if self.k_positions is None
+        kp = (jnp.minimum(k_start + jnp.arange(bk, dtype=jnp.int32), S - 1) if self.k_positions is None
               else _rows(self.k_positions, b, k_start, bk))
         return qp, kp
 
@@ -514,6 +522,9 @@ def positions(query_positions, key_positions) -> Mask:
 
 def segments(query_segment_ids, key_segment_ids) -> Mask:
     """Packed sequences: equal ids attend; a negative id is padding."""
+    if query_segment_ids is None or key_segment_ids is None:
+        raise ValueError("segments needs both query_segment_ids and key_segment_ids (pass the same ids twice "
+                         "for self-attention)")
     _checks.check_integer("query_segment_ids", query_segment_ids)
     _checks.check_integer("key_segment_ids", key_segment_ids)
     return Mask(q_segments=query_segment_ids, k_segments=key_segment_ids)

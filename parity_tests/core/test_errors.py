@@ -84,6 +84,20 @@ CASES = {
                               "query_positions must be an integer array, got dtype float32"),
     "segment batches": (lambda: fa.masks.segment_mask(jnp.zeros((2, 3), jnp.int32), jnp.zeros((3, 3), jnp.int32)),
                         ValueError, "query_segment_ids (2, 3) and key_segment_ids (3, 3) have different batches"),
+    # mask descriptions
+    "description and keyword positions": (
+        lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.causal() & fa.masks.positions(jnp.arange(5), jnp.arange(7)),
+                                         query_positions=jnp.arange(5)),
+        ValueError, "mask= gives positions and so does query_positions=/key_positions=: give them once"),
+    "description and keyword lengths": (
+        lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.lengths(None, jnp.array([3, 4])),
+                                         key_value_seq_lengths=jnp.array([2, 2])),
+        ValueError, "mask= gives key/value lengths and so does key_value_seq_lengths=: give them once"),
+    "dense descriptions do not broadcast": (
+        lambda: fa.masks.dense(jnp.ones((7,), bool)) & fa.masks.dense(jnp.ones((8,), bool)), ValueError,
+        "both mask descriptions give a dense mask, of shapes (7,) and (8,), which do not broadcast together"),
+    "segments need both": (lambda: fa.masks.segments(jnp.zeros((2, 5), jnp.int32), None), ValueError,
+                           "segments needs both query_segment_ids and key_segment_ids"),
 }
 
 
