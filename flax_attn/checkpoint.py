@@ -409,7 +409,8 @@ def verify(directory, *, step: Optional[int] = None) -> int:
     return step
 
 
-def restore(directory, module, *, step: Optional[int] = None, verify_checksums: bool = True) -> dict:
+def restore(directory, module, *, step: Optional[int] = None, verify_checksums: bool = True,
+            shardings=None) -> dict:
     """Variables ``{'params': ...}`` for ``module`` from checkpoint ``step`` (default: the latest).
 
     Args:
@@ -418,6 +419,14 @@ def restore(directory, module, *, step: Optional[int] = None, verify_checksums: 
       step: which step (default: the latest complete one; never an older one in its place).
       verify_checksums: check every array against the SHA-256 recorded at save time (the default).
         ``False`` only to read a checkpoint written before checksums were recorded.
+      shardings: where to put the arrays (default: JAX's default device): a tree of
+        ``jax.sharding.Sharding`` over the parameters, ``{'params': ...}`` or the params alone,
+        as ``flax_attn.parallel.named_shardings(flax_attn.parallel.partition_specs(module,
+        template, mesh=mesh), mesh)`` gives (``template``: :func:`flax_attn.interop.param_template`).
+        Each device receives its shard. Checksums are over whole arrays, so with
+        ``verify_checksums`` each array is first read whole into host memory (one at a time is
+        not promised: the host holds the parameters once); without, Orbax reads each device's
+        shard directly.
 
     Raises:
       FileNotFoundError: no complete checkpoint (or not that step) under ``directory``.
@@ -443,12 +452,47 @@ def restore(directory, module, *, step: Optional[int] = None, verify_checksums: 
         if problems:
             raise CheckpointMismatchError(
                 f"checkpoint {directory} step {step} does not fit {type(module).__name__}:\n  " + "\n  ".join(problems))
+        place = _placement(shardings, saved_leaves)
         if verify_checksums:
-            return {"params": jax.tree_util.tree_map(jnp.asarray, params)}
+            if place is None:
+                return {"params": jax.tree_util.tree_map(jnp.asarray, params)}
+            flat = traverse_util.flatten_dict(_as_dict(params))
+            return {"params": traverse_util.unflatten_dict({p: jax.device_put(x, place[p]) for p, x in flat.items()})}
         target = traverse_util.unflatten_dict(
-            {p: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype) for p, m in saved_leaves.items()})
+            {p: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=None if place is None else place[p])
+             for p, m in saved_leaves.items()})
         params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     return {"params": params}
+
+
+def _placement(shardings, saved_leaves: dict) -> Optional[dict]:
+    """``{path: Sharding}`` for every saved array, from :func:`restore`'s ``shardings``; a
+    ValueError naming the arrays a sharding is missing for, given for no array, or cannot
+    split."""
+    if shardings is None:
+        return None
+    tree = shardings["params"] if isinstance(shardings, dict) and set(shardings) == {"params"} else shardings
+    if not isinstance(tree, dict):
+        raise TypeError(f"shardings must be a dict of jax.sharding.Sharding (the parameters' tree), "
+                        f"got {type(tree).__name__}")
+    place = traverse_util.flatten_dict(_as_dict(tree))
+    problems = [f"no sharding for {'/'.join(p)}" for p in sorted(set(saved_leaves) - set(place))]
+    problems += [f"a sharding for {'/'.join(p)}, which the checkpoint does not hold"
+                 for p in sorted(set(place) - set(saved_leaves))]
+    for p in sorted(set(place) & set(saved_leaves)):
+        sharding, shape = place[p], tuple(saved_leaves[p].shape)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            problems.append(f"{'/'.join(p)}: {sharding!r} is not a jax.sharding.Sharding "
+                            f"(flax_attn.parallel.named_shardings turns PartitionSpecs into NamedShardings)")
+            continue
+        try:
+            sharding.check_compatible_aval(shape)  # rank
+            sharding.shard_shape(shape)            # divisibility
+        except ValueError as e:
+            problems.append(f"{'/'.join(p)} of shape {shape} cannot be split by {sharding}: {str(e).splitlines()[0]}")
+    if problems:
+        raise ValueError("restore's shardings do not fit the checkpoint's parameters:\n  " + "\n  ".join(problems))
+    return place
 
 
 def _check_linen(module, function: str) -> None:

@@ -423,3 +423,39 @@ def test_a_checkpoint_saved_before_a_field_existed_restores_with_its_default(tmp
     # A field the module does not know (or no longer has) is still a difference.
     assert ck._config_differences({"class": "A", "config": {"x": 1}}, {"class": "A", "config": {}}, m) == [
         "x is 1 in the checkpoint, '<absent>' in the module"]
+
+
+def test_restore_into_shardings_checks_them(tmp_path):
+    """restore(shardings=) places each array (a one-device mesh here; the 8-device case is in
+    parallel/test_sharding.py) and names every array a sharding is missing for, extra or unfit."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from flax_attn import parallel as fp
+
+    module = fa.Attention(fa.AttentionConfig(d_model=32, num_heads=4))
+    variables = _init(module)
+    ck.save(tmp_path, 1, module, variables)
+    mesh = fp.make_mesh((1, 1), ("data", "model"))
+    shardings = fp.named_shardings(fp.partition_specs(module, variables), mesh)
+    got = ck.restore(tmp_path, module, shardings=shardings)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(variables)):
+        _assert_bit_exact(a, b)
+        assert isinstance(a.sharding, NamedSharding)
+    params = dict(shardings["params"])
+    missing = {k: v for k, v in params.items() if k != "o_proj"}
+    extra = {**params, "w_extra": {"kernel": NamedSharding(mesh, P())}}
+    with pytest.raises(ValueError, match=r"no sharding for o_proj/kernel"):
+        ck.restore(tmp_path, module, shardings=missing)
+    with pytest.raises(ValueError, match=r"a sharding for w_extra/kernel, which the checkpoint does not hold"):
+        ck.restore(tmp_path, module, shardings={"params": extra})
+    specs = {**params, "q_proj": {"kernel": P(None, "model")}}
+    with pytest.raises(ValueError, match=r"q_proj/kernel: .*'model'.* is not a jax.sharding.Sharding"):
+        ck.restore(tmp_path, module, verify_checksums=False, shardings=specs)
+    too_long = {**params, "q_proj": {"kernel": NamedSharding(mesh, P(None, None, "model"))}}
+    with pytest.raises(ValueError, match=r"q_proj/kernel of shape \(32, 32\) cannot be split by"):
+        ck.restore(tmp_path, module, shardings=too_long)
+    with pytest.raises(TypeError, match="shardings must be a dict"):
+        ck.restore(tmp_path, module, shardings=NamedSharding(mesh, P()))
+

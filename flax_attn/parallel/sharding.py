@@ -223,16 +223,16 @@ def shard_params(tree, specs, mesh):
     flat_specs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
     leaves = jax.tree_util.tree_structure(specs, is_leaf=_is_spec).flatten_up_to(tree)
     for (path, spec), x in zip(flat_specs, leaves):
-        shape = np.shape(x)
+        shape, name = np.shape(x), jax.tree_util.keystr(path) or "the array"
         if len(spec) > len(shape):
-            raise ValueError(f"{jax.tree_util.keystr(path)} of shape {shape} has fewer dims than its spec {spec}")
+            raise ValueError(f"{name} of shape {shape} has fewer dims than its spec {spec}")
         for d, axes in enumerate(spec):
             if axes is None:
                 continue
             names = axes if isinstance(axes, tuple) else (axes,)
             n = int(np.prod([_axis_size(mesh, a) for a in names]))
             if shape[d] % n:
-                raise ValueError(f"{jax.tree_util.keystr(path)} of shape {shape}: dim {d} ({shape[d]}) is not "
+                raise ValueError(f"{name} of shape {shape}: dim {d} ({shape[d]}) is not "
                                  f"divisible by the {n} devices of mesh axis {axes!r} (spec {spec})")
     return jax.device_put(tree, named_shardings(specs, mesh))
 
@@ -250,7 +250,7 @@ def shard_batch(tree, mesh, *, data_axis: str = "data"):
 
 
 def cache_partition_specs(cache, *, data_axis: Optional[str] = "data",
-                          model_axis: Optional[str] = "model"):
+                          model_axis: Optional[str] = "model", mesh=None):
     """A :class:`flax_attn.KVCache` of ``PartitionSpec``s: keys and values split over the batch
     (``data_axis``) and, for ``layout='BSKH'`` (``(B, S, K, H)``), over the key/value heads
     (``model_axis``); the default layout ``'BKSH'`` stores ``(B*K, S, H)``, whose merged axis is
@@ -258,6 +258,11 @@ def cache_partition_specs(cache, *, data_axis: Optional[str] = "data",
     decoding over heads create the cache with ``layout='BSKH'``), as is ``layout='blocks'``'s
     ``(S // block, B*K, block, H)`` on its second axis. Positions and segment ids ``(B, S)`` over
     the batch; the length replicated. Either axis may be None (not split).
+
+    With ``mesh`` given, a ``'BSKH'`` cache whose K key/value heads are not divisible by the
+    size of ``model_axis`` keeps its heads whole (replicated over that axis), as
+    :func:`partition_specs` does for the key/value projections that fill it; without ``mesh``
+    the heads are split and :func:`shard_params` refuses a K that does not divide.
 
     A :class:`flax_attn.LatentKVCache` (multi-head latent attention) gives one of
     ``PartitionSpec``s: its latents ``(B, S, r_kv + d_r)``, shared by all heads, split over the
@@ -271,9 +276,12 @@ def cache_partition_specs(cache, *, data_axis: Optional[str] = "data",
         return cache.replace(latent=P(data_axis, None, None), **rows)
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache_partition_specs takes a KVCache or a LatentKVCache, got {type(cache).__name__}")
+    _check_auto(mesh, tuple(a for a in (data_axis, model_axis) if a is not None))
     if cache.layout == "BSKH":
         _checks.check_rank("cache.key", cache.key, 4, "(B, S, K, H)")
-        kv = P(data_axis, None, model_axis, None)
+        model = _axis_size(mesh, model_axis) if model_axis is not None else None
+        heads = None if model is not None and cache.key.shape[2] % model else model_axis  # as the k/v projections
+        kv = P(data_axis, None, heads, None)
     elif cache.layout == "blocks":  # (S // block, B*K, block, H): the batch-major units of every block
         kv = P(None, data_axis, None, None)
     else:  # (B*K, S, H), batch-major: whole sequences (all their heads) per shard of the batch

@@ -212,6 +212,39 @@ def _measure_errors():
     return messages
 
 
+def _measure_checkpoint():
+    """Sharded parameters saved, then restored straight into their shardings (checksums verified
+    and not): the bits, and where each array lies."""
+    import tempfile
+
+    import jax
+
+    import flax_attn as fa
+    from flax_attn import checkpoint
+    from flax_attn import parallel as fp
+    from flax_attn.interop import param_template
+
+    mesh = fp.make_mesh((2, 4), ("data", "model"))
+    layer = fa.Attention(fa.AttentionConfig(d_model=64, num_heads=8, num_kv_heads=2, position="rope"))
+    variables = layer.init(jax.random.key(0), np.zeros((2, 8, 64)), np.zeros((2, 8), np.int32))
+    specs = fp.partition_specs(layer, variables, mesh=mesh)
+    shardings = fp.named_shardings(fp.partition_specs(layer, param_template(layer), mesh=mesh), mesh)
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint.save(d, 1, layer, fp.shard_params(variables, specs, mesh))
+        for verify in (True, False):
+            got = checkpoint.restore(d, layer, verify_checksums=verify, shardings=shardings)
+            pairs = list(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(variables)))
+            results[f"verify={verify}"] = {
+                "bit_exact": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs),
+                "specs": sorted({str(a.sharding.spec) for a, _ in pairs}),
+                "placed": all(a.sharding.is_equivalent_to(s, a.ndim)
+                              for (a, _), s in zip(pairs, jax.tree_util.tree_leaves(shardings))),
+                "k_proj_shard": list(got["params"]["k_proj"]["kernel"].addressable_shards[0].data.shape),
+                "q_proj_shard": list(got["params"]["q_proj"]["kernel"].addressable_shards[0].data.shape)}
+    return results
+
+
 def child():
     import jax
 
@@ -220,7 +253,7 @@ def child():
     assert jax.device_count() == 8, jax.devices()
     return {"modules": {f"{m}|{d}": _measure_module(m, d) for m, d in RUNS},
             "cache": {layout: _measure_cache(layout) for layout in CACHE_SPLIT},
-            "errors": _measure_errors()}
+            "errors": _measure_errors(), "checkpoint": _measure_checkpoint()}
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -316,6 +349,15 @@ def test_errors_name_the_parameter_and_shapes(measured):
            in m["partition_specs"]
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_checkpoint_restores_into_the_shardings(measured, verify):
+    r = measured["checkpoint"][f"verify={verify}"]
+    assert r["bit_exact"] and r["placed"], r
+    assert r["q_proj_shard"] == [64, 16]          # (D, 8 heads of 8) over 4 devices of 'model'
+    assert r["k_proj_shard"] == [64, 16]          # 2 key/value heads on a model axis of 4: replicated
+    assert sorted(s.replace("PartitionSpec", "P") for s in r["specs"]) == ["P('model', None)", "P()", "P(None, 'model')"]
+
+
 # in this process: no devices needed
 
 
@@ -381,6 +423,46 @@ def test_cache_specs():
     assert latent_specs.latent == P("data", None, None) and latent_specs.positions == P("data", None)
     with pytest.raises(TypeError, match="takes a KVCache or a LatentKVCache"):
         fp.cache_partition_specs({"key": 1})
+
+
+def test_cache_specs_with_a_mesh_keep_heads_whole_where_they_do_not_divide():
+    """As partition_specs replicates key/value projections whose K heads do not divide the model
+    axis, so cache_partition_specs(mesh=) keeps such a 'BSKH' cache's heads whole."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"), (jax.sharding.AxisType.Auto,) * 2)
+    for kv_heads, heads_spec in ((2, None), (4, "model"), (8, "model")):
+        config = fa.AttentionConfig(d_model=64, num_heads=8, num_kv_heads=kv_heads)
+        cache = config.init_cache(batch=2, max_len=8, layout="BSKH")
+        specs = fp.cache_partition_specs(cache, mesh=mesh)
+        assert specs.key == specs.value == P("data", None, heads_spec, None), kv_heads
+        layer = fa.Attention(config)
+        params = jax.eval_shape(lambda: layer.init(jax.random.key(0), np.zeros((1, 4, 64)), np.zeros((1, 4), int)))
+        kernel = fp.partition_specs(layer, params, mesh=mesh)["params"]["k_proj"]["kernel"]
+        assert kernel == (P() if heads_spec is None else P(None, heads_spec))  # the cache follows its projection
+    with pytest.raises(ValueError, match=r"mesh has axes \('data', 'model'\), not 'heads'"):
+        fp.cache_partition_specs(cache, mesh=mesh, model_axis="heads")
+    explicit = jax.sharding.AbstractMesh((2, 4), ("data", "model"), (jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match="are Explicit"):
+        fp.cache_partition_specs(cache, mesh=explicit)
+
+
+def test_shard_params_names_a_bare_array():
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from flax_attn import parallel as fp
+
+    mesh = jax.sharding.AbstractMesh((8, 1), ("data", "model"), (jax.sharding.AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match=r"^the array of shape \(3, 4, 24\): dim 0 \(3\) is not divisible by "
+                                         r"the 8 devices of mesh axis 'data'"):
+        fp.shard_batch(np.ones((3, 4, 24)), mesh)
+    with pytest.raises(ValueError, match=r"^the array of shape \(3,\) has fewer dims than its spec"):
+        fp.shard_params(np.ones(3), P("data", None), mesh)
 
 
 if __name__ == "__main__" and "--child" in sys.argv:
