@@ -35,6 +35,14 @@ The tangent pass loops over blocks with static bounds and recomputes every block
 derivative (grad of grad, Hessians) is ordinary JAX. Recomputing ``p`` from ``s - m`` (not
 from ``s - lse``) keeps gradients as accurate as the plain path's at extreme logits.
 
+**Reverse mode of vmap.** The tangent pass picks each block's kind with a ``lax.switch`` whose
+operands include tangents. Under ``jax.vmap`` with per-example lengths, segment ids or
+positions, the index is batched and JAX (0.10) turns the switch into a select over every
+branch, wrapping each operand in ``lax.stop_gradient``, which has no transpose rule: reverse
+mode of the vmapped function then fails to transpose (JAX's issues #22011 and #39219). This
+module registers the rule that ``stop_gradient``'s own derivative implies (a zero cotangent, as
+its tangent is zero), only where JAX has none (:func:`_transpose_stop_gradient`).
+
 A dense ``bias`` or boolean mask given by the caller is the only T x S array; causal and window
 masks, positions, segment ids and lengths are evaluated block by block.
 """
@@ -55,6 +63,20 @@ from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_
 
 
 ACCELERATOR_STEP_BYTES = 128 << 20
+
+
+def _transpose_stop_gradient() -> None:
+    """Give ``lax.stop_gradient`` a transpose rule where JAX has none: its cotangent is zero, as
+    its tangent is. Reverse mode of a vmapped blockwise call with batched mask arrays transposes
+    the ``stop_gradient`` that JAX's batching of ``lax.switch`` puts on tangent operands of the
+    branches not taken (see the module docstring); the selected branch gets the operand itself."""
+    from jax.interpreters import ad
+
+    if lax.stop_gradient_p not in ad.primitive_transposes:
+        ad.primitive_transposes[lax.stop_gradient_p] = lambda ct, x: [ad.Zero(x.aval)]
+
+
+_transpose_stop_gradient()
 """On a GPU or TPU, the default ``unit_chunk`` takes as many units a step as keep the step's
 logits (units x query heads per unit x ``block_q`` x ``block_k``) within this many bytes: 128
 units of multi-head float32 attention at tiles of 512 x 512. Not measured on a device (none

@@ -932,6 +932,40 @@ def test_defect_i_extreme_logits_float32(impl):
     assert not bad, f"gradients {bad} less accurate than three times the plain path's: {report}"
 
 
+@pytest.mark.parametrize("impl", AUTO_AND_IMPLS)
+@skip_declined
+def test_defect_j_reverse_mode_of_vmap_over_mask_arrays(impl):
+    """(j) jax.vjp of jax.vmap(f) where the vmapped axis carries each example's key lengths,
+    segment ids and positions (batched mask arrays, not just batched q, k, v), equal to the
+    reference's vjp per example. The blockwise path's tangent pass switches on them."""
+    V, B, T, S, N, K, H = 2, 2, 12, 12, 4, 2, 4
+    rng = np.random.default_rng(17)
+    q, k, v = (rng.standard_normal(shape) for shape in ((V, B, T, N, H), (V, B, S, K, H), (V, B, S, K, H)))
+    cot = rng.standard_normal((V, B, T, N, H))
+    lengths = np.array([[12, 7], [3, 12]], np.int32)                                # (V, B)
+    segments = np.stack([np.repeat([[0, 1], [2, 2]], [5, 7], axis=1),
+                         np.repeat([[4, 4], [0, 1]], [9, 3], axis=1)]).astype(np.int32)  # (V, B, S)
+    positions = np.stack([np.broadcast_to(np.arange(S), (B, S)),
+                          np.broadcast_to(np.arange(S) + 3, (B, S))]).astype(np.int32)    # shifted in the 2nd
+
+    def f(q, k, v, kl, seg, pos):
+        return attention(q, k, v, is_causal=True, key_value_seq_lengths=kl, query_segment_ids=seg,
+                         key_segment_ids=seg, query_positions=pos, key_positions=pos, implementation=impl)
+
+    out, pullback = jax.vjp(lambda q, k, v: jax.vmap(f)(q, k, v, lengths, segments, positions), q, k, v)
+    got = (out, *pullback(cot))
+    per_example = []
+    for i in range(V):
+        allowed = reference_mask(B, N, T, S, is_causal=True, key_value_seq_lengths=lengths[i],
+                                 query_segment_ids=segments[i], key_segment_ids=segments[i],
+                                 query_positions=positions[i], key_positions=positions[i])
+        o, back = jax.vjp(lambda q, k, v: reference(q, k, v, None, allowed), q[i], k[i], v[i])
+        per_example.append((o, *back(cot[i])))
+    want = [np.stack(xs) for xs in zip(*per_example)]
+    errors = {name: rel_error(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+    assert all(e <= 1e-12 for e in errors.values()), errors
+
+
 # ============================================================================ 6. a toy implementation
 
 
