@@ -18,14 +18,15 @@ Rooms of the package (imports point down the list):
    :func:`flax_attention_fn`, an ``attention_fn`` for Flax's own attention layers;
 6. interop: :mod:`flax_attn.interop` (the registry of PyTorch twins; state_dict <-> Flax
    params, NumPy only) and :mod:`flax_attn.checkpoint` (Orbax save/restore, checked against
-   the module).
+   the module);
+7. :mod:`flax_attn.parallel`: meshes, partition specs, ring and all-gather attention.
 
 Every public name is importable from here; ``flax_attn.rope``, ``flax_attn.alibi``,
 ``flax_attn.t5`` and ``flax_attn.basics`` are the submodules of the same names.
 """
 from flax_attn.positional import alibi, rope, t5
 from flax_attn.textbook import basics
-from flax_attn import checkpoint, core, hf, interop, nnx, plot
+from flax_attn import checkpoint, core, hf, interop, nnx, parallel, plot
 from flax_attn.layers.flax_hook import flax_attention_fn
 from flax_attn.core import dot_product_attention, dropout, keep_host_memory, masked_softmax
 from flax_attn.core import mask as masks
@@ -101,6 +102,7 @@ __all__ = [
     "hf",
     "interop",
     "nnx",
+    "parallel",
     "plot",
     "masked_softmax",
     "masks",

@@ -88,3 +88,4 @@ __all__ = [
 
 from torch_ref import modern  # noqa: E402  (the modern variants' references)
 from torch_ref import mla  # noqa: E402  (multi-head latent attention)
+from torch_ref import flex  # noqa: E402  (user mask_mod / score_mod rules, sinks, chunked attention)
