@@ -80,6 +80,16 @@ def check_broadcast(name: str, x, target: Sequence, layout: str) -> tuple:
     return padded
 
 
+# The platforms the automatic choice knows (jax.default_backend()'s names).
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def check_platform(platform) -> None:
+    """A ``platform`` given as an argument must be one of :data:`PLATFORMS` (a misspelt one,
+    e.g. 'cuda', would otherwise be treated as a platform no kernel runs on)."""
+    check_one_of("platform", platform, PLATFORMS)
+
+
 def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

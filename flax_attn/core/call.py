@@ -166,10 +166,12 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
 
     Arrays may be ``jax.ShapeDtypeStruct`` where only shapes matter (query, key, value), so
     that the automatic choice can be asked about a call without running it; ``platform``
-    defaults to JAX's default backend. With ``sinks`` the call asks the implementation for the
+    (``'cpu'``, ``'gpu'`` or ``'tpu'``) defaults to JAX's default backend. With ``sinks`` the call asks the implementation for the
     log-sum-exp (``return_residual=True``): the sinks are applied from it.
     """
     (B, T, N, H), (S, K, Hv) = check_qkv(query, key, value)
+    if platform is not None:
+        _checks.check_platform(platform)
     if isinstance(mask, Mask):
         rules = mask
     else:

@@ -102,9 +102,12 @@ def implementations() -> list[Implementation]:
 
 
 def available(platform: Optional[str] = None) -> list[Implementation]:
-    """The registered implementations that run on ``platform`` (default: JAX's default backend)."""
+    """The registered implementations that run on ``platform`` (``'cpu'``, ``'gpu'`` or
+    ``'tpu'``; default: JAX's default backend)."""
     import jax
 
+    if platform is not None:
+        _checks.check_platform(platform)
     platform = platform or jax.default_backend()
     return [r for r in _REGISTRY if r.runs_on(platform)]
 

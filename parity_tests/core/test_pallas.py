@@ -130,3 +130,22 @@ def test_kernels_refuse_rules_they_do_not_translate():
             call = pair[1] if isinstance(impl, PallasDecode) else pair[0]
             reason = impl.supports(call)
             assert reason and (name.split("_")[0] in reason or "chunk" in reason), (name, impl.name, reason)
+
+
+def test_kernel_fields_are_checked_when_built():
+    """Block sizes the kernels cannot take are refused by name when the object is built, not as
+    a ZeroDivisionError (or a silent change) inside the call."""
+    for field in ("block_q", "block_k", "block_bwd"):
+        for value, what in ((0, "a positive integer"), (24, "a power of two"), (True, "a positive integer")):
+            with pytest.raises(ValueError, match=f"PallasTriton {field} must be {what}"):
+                PallasTriton(interpret=True, **{field: value})
+    with pytest.raises(ValueError, match="PallasDecode k_splits must be a positive integer, got 0"):
+        PallasDecode(k_splits=0)
+    with pytest.raises(ValueError, match="PallasDecode block_h must be a positive integer, got 0"):
+        PallasDecode(block_h=0)
+    with pytest.raises(ValueError, match="PallasDecode block_k must be at least 16 .*got 8"):
+        PallasDecode(block_k=8)
+    with pytest.raises(ValueError, match="PallasDecode block_k must be a power of two, got 48"):
+        PallasDecode(block_k=48)
+    assert PallasDecode(block_k=16, k_splits=1, block_h=1).block_k == 16
+

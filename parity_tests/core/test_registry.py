@@ -103,6 +103,27 @@ def test_automatic_choice_on_tpu():
     assert _chosen(**bf16, return_weights=True) == "xla"
 
 
+def test_automatic_choice_serves_gradients_of_the_residual():
+    """Splash and Triton give the log-sum-exp forward only, so the automatic choice takes them
+    for no return_residual call (its gradients must work); the decoding kernel's backward pass
+    serves it. Named, they still serve the call (forward)."""
+    bf16 = dict(dtype=jnp.bfloat16, return_residual=True)
+    assert _chosen(**bf16, platform="tpu") == "xla"
+    assert _chosen(**bf16, platform="gpu") == "cudnn"
+    assert _chosen(**bf16, platform="gpu", T=512, S=1024) == "xla"                     # Triton's case above
+    assert _chosen(**bf16, platform="gpu", T=1, S=1024) == "pallas_decode"
+    assert registry.get("splash").supports(_call(**bf16, platform="tpu")) is None
+    assert registry.get("pallas_triton").supports(_call(**bf16, platform="gpu", T=512, S=1024)) is None
+
+
+def test_platform_arguments_are_checked():
+    for bad in ("cuda", "GPU", "metal"):
+        with pytest.raises(ValueError, match=rf"platform must be one of \['cpu', 'gpu', 'tpu'\], got '{bad}'"):
+            _call(platform=bad)
+        with pytest.raises(ValueError, match="platform must be one of"):
+            registry.available(bad)
+
+
 def test_pallas_kernels_refuse_with_their_reason():
     """Named, each kernel says why it cannot serve a call; on CPU it points to interpret mode."""
     rng = np.random.default_rng(0)

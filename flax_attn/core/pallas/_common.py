@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_attn import _checks
 from flax_attn.core.registry import Implementation
 
 # Parts of the call description that no kernel here serves (read with getattr, so that the
@@ -41,6 +42,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def check_power_of_2(name: str, value) -> None:
+    _checks.check_positive_int(name, value)
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel(Implementation):
     """What the Pallas implementations share: a kernel native to one platform (``home``, needing
@@ -54,8 +61,13 @@ class Kernel(Implementation):
     def runs_on(self, platform: str) -> bool:
         return self.interpret or platform == self.home
 
+    # the kernel cannot differentiate through its residuals: return_residual is forward only
+    residual_forward_only: ClassVar[bool] = True
+
     def preferred(self, call) -> bool:
-        return call.platform == self.home
+        """On its home platform, except for ``return_residual`` calls where the kernel serves
+        them forward only (the automatic choice must serve gradients too)."""
+        return call.platform == self.home and not (call.return_residual and self.residual_forward_only)
 
     def refusal(self, call) -> Optional[str]:
         """Why the kernel cannot take ``call`` whatever its mask: the platform, or what
@@ -129,12 +141,14 @@ def rows(x, B: int):
     return jnp.broadcast_to(x, (B, x.shape[1]))
 
 
-def traced_in_32_bits(f, name: str):
+def traced_in_32_bits(f, name: str, *, residual: bool = False):
     """``f`` (a function of arrays) traced with ``jax_enable_x64`` off, in its forward and its
     backward pass. JAX's Pallas kernels mix Python integers with int32 program ids in
     ``lax.div``, which fails to trace when x64 is on; the inputs here are 16/32-bit anyway.
-    The backward pass (the kernel's) cannot itself be differentiated: doing so raises
-    ``NotImplementedError`` naming implementation ``name``."""
+    Neither pass can itself be differentiated (second derivatives): doing so raises
+    ``NotImplementedError`` naming implementation ``name``. ``residual``: ``f`` returns the
+    kernel's residuals too, which the kernels cannot differentiate through; differentiating
+    ``g`` at all then raises ``NotImplementedError`` saying so."""
 
     @jax.custom_vjp
     def g(*args):
@@ -142,6 +156,13 @@ def traced_in_32_bits(f, name: str):
             return f(*args)
 
     def fwd(*args):
+        if residual:
+            raise NotImplementedError(
+                f"implementation='{name}' gives the log-sum-exp (return_residual=True) forward only: its kernel "
+                f"cannot be differentiated with its residuals saved; differentiate a call without return_residual, "
+                f"or use implementation='xla' or 'blockwise' (the automatic choice does not take '{name}' for such "
+                f"calls)")
+        args = no_second_order(name, args)
         with jax.enable_x64(False):
             return jax.vjp(f, *args)
 
@@ -167,10 +188,27 @@ def _first_fwd(pullback, cotangent, name):
     return _apply(pullback, cotangent), None
 
 
+def _second_order_error(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"implementation='{name}' has no second derivatives (grad of grad, Hessians): its passes are "
+        f"kernels; use implementation='blockwise' or 'xla' for those")
+
+
 def _first_bwd(name, residuals, cotangents):
-    raise NotImplementedError(
-        f"implementation='{name}' has no second derivatives (grad of grad, Hessians): its backward pass is a "
-        f"kernel; use implementation='blockwise' or 'xla' for those")
+    raise _second_order_error(name)
 
 
 first_order_only.defvjp(_first_fwd, _first_bwd)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def no_second_order(name, args):
+    """``args`` unchanged. Put on the inputs of a custom_vjp's forward rule, which a first
+    derivative runs on plain values and only a second one differentiates: that then raises a
+    clear error naming implementation ``name`` instead of the kernel's own, from inside Pallas."""
+    return args
+
+
+@no_second_order.defjvp
+def _no_second_order_jvp(name, primals, tangents):
+    raise _second_order_error(name)

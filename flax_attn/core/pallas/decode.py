@@ -27,6 +27,7 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
+from flax_attn import _checks
 from flax_attn.core.pallas import _common
 from flax_attn.core.registry import Result
 from flax_attn.core.xla import XLA
@@ -44,6 +45,17 @@ class PallasDecode(_common.Kernel):
     block_k: int = 128
     k_splits: int = 16
     block_h: int = 16
+
+    def __post_init__(self):
+        _checks.check_positive_int("PallasDecode k_splits", self.k_splits)
+        _common.check_power_of_2("PallasDecode block_h", self.block_h)
+        _common.check_power_of_2("PallasDecode block_k", self.block_k)
+        if self.block_k < 16:
+            raise ValueError(f"PallasDecode block_k must be at least 16 (the kernel's smallest matmul tile), "
+                             f"got {self.block_k}")
+
+    # its backward pass is the plain path's, which differentiates the log-sum-exp too
+    residual_forward_only: ClassVar[bool] = False
 
     def supports(self, call) -> Optional[str]:
         problem = self.refusal(call)
@@ -75,6 +87,7 @@ def _decode(impl, call, query, key, value, lengths):
 
 
 def _decode_fwd(impl, call, query, key, value, lengths):
+    query, key, value = _common.no_second_order(impl.name, (query, key, value))
     return _kernel(impl, _bind(call, lengths), query, key, value), (query, key, value, lengths)
 
 
@@ -101,7 +114,7 @@ def _kernel(impl, call, query, key, value):
     B, _, N, H = query.shape
     S, m = call.S, call.mask
     splits = max(1, min(impl.k_splits, _common.cdiv(S, impl.block_k)))
-    block_k = max(16, impl.block_k)
+    block_k = impl.block_k
     Sp = _common.round_up(S, splits * block_k)
     k = _common.pad_axis(key, 1, Sp)
     v = _common.pad_axis(value, 1, Sp)

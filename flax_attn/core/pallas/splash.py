@@ -20,7 +20,8 @@ grouped-query heads, a logit soft-cap and per-head "sink" logits. It runs one ba
 
 Refused: float64 (the kernel accumulates in float32), a bias, boolean masks, explicit
 positions. ``return_residual`` is served forward only (splash cannot differentiate through its
-residuals). Forward-mode autodiff (``jax.jvp``) raises: the kernel's derivative is a
+residuals: a derivative of such a call raises ``NotImplementedError``, and the automatic choice
+does not take splash for it). Forward-mode autodiff (``jax.jvp``) raises: the kernel's derivative is a
 ``jax.custom_vjp``.
 """
 from __future__ import annotations
@@ -97,7 +98,8 @@ class Splash(_common.Kernel):
 
         id_axis = None if q_ids is None else 0
         batched = jax.vmap(one, in_axes=(0, 0, 0, id_axis, id_axis, None))
-        result = _common.traced_in_32_bits(batched, self.name)(q, k, v, q_ids, k_ids, jax.lax.stop_gradient(sinks))
+        result = _common.traced_in_32_bits(batched, self.name, residual=call.return_residual)(
+            q, k, v, q_ids, k_ids, jax.lax.stop_gradient(sinks))
         out, lse = (result[0], result[1][0]) if call.return_residual else (result, None)
         out = out[:, :, :T].transpose(0, 2, 1, 3)
         if lse is not None:

@@ -21,7 +21,8 @@ number. This file translates a :class:`~flax_attn.core.call.Call` into those ter
 Refused: float64 (the kernel accumulates in float32), a bias, boolean masks, windows,
 explicit positions, key lengths, soft-capping, T > S, dropout, returned weights.
 ``return_residual`` is served forward only (the kernel cannot differentiate through its
-residual output). Forward-mode autodiff (``jax.jvp``) raises: the kernel's derivative is a
+residual output: a derivative of such a call raises ``NotImplementedError``, and the automatic
+choice does not take the kernel for it). Forward-mode autodiff (``jax.jvp``) raises: the kernel's derivative is a
 ``jax.custom_vjp``.
 """
 from __future__ import annotations
@@ -53,6 +54,10 @@ class PallasTriton(_common.Kernel):
     block_q: int = 64
     block_k: int = 64
     block_bwd: int = 32
+
+    def __post_init__(self):
+        for field in ("block_q", "block_k", "block_bwd"):
+            _common.check_power_of_2(f"PallasTriton {field}", getattr(self, field))
 
     def supports(self, call) -> Optional[str]:
         problem = self.refusal(call) or _common.mask_refusals(call, segments=True)
@@ -97,7 +102,7 @@ class PallasTriton(_common.Kernel):
                                              block_q_dq=self.block_bwd, block_kv_dq=self.block_bwd)
         kernel = _common.traced_in_32_bits(lambda q, k, v, ids: triton_attention.mha(
             q, k, v, ids, sm_scale=call.scale, causal=causal, block_sizes=blocks, interpret=self.interpret,
-            return_residuals=call.return_residual), self.name)
+            return_residuals=call.return_residual), self.name, residual=call.return_residual)
         result = kernel(q, k, v, ids)
         out, lse2 = result if call.return_residual else (result, None)
         out = out[:, front:front + T, :, :call.Hv]
