@@ -283,6 +283,8 @@ def save(directory, step: int, module, variables, *, keep: Optional[int] = None)
 
     Raises:
       CheckpointLockedError: another writer is saving into ``directory``; nothing was saved.
+      CheckpointMismatchError: ``variables`` do not fit ``module`` (names or shapes, each listed);
+        nothing was saved.
       ValueError: ``step`` is not after the latest saved step.
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:

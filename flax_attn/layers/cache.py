@@ -307,8 +307,8 @@ class KVCache:
         every token so far, plus the step's). Grown this way from about the prompt's size, a
         cache stays at least ``1 / growth`` full, so a decoding step reads little more than the
         tokens it holds, where a cache allocated for the longest generation is read in key
-        blocks while mostly empty (slower than PyTorch's step over its filled slots: Known limits
-        in the README). Each new size costs one copy of the cache and one compilation of the
+        blocks while mostly empty (slower than PyTorch's step over its filled slots: the README's
+        Known limits, "Decoding outside the target's cells"). Each new size costs one copy of the cache and one compilation of the
         step (``log(longest / prompt) / log(growth)`` of them; 0.4-0.7 s each for a 768-wide
         layer on a 2-core AMD EPYC), so growing pays for long generations and large batches, or
         where the sizes are compiled already (JAX's persistent compilation cache keeps them for
