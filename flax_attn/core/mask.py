@@ -482,7 +482,13 @@ def _visible(length: int, lengths, segments, dense, keep: int):
 
 
 def causal() -> Mask:
-    """A query may attend to keys at its own position or earlier."""
+    """A query may attend to keys at its own position or earlier: ``k_pos <= q_pos``.
+
+    The positions compared are those of :func:`positions` (or ``query_positions`` /
+    ``key_positions`` of :func:`flax_attn.dot_product_attention`); by default keys at ``0..S-1``
+    and queries at the *last* T of them (query t at ``t + S - T``), so that with T < S (new
+    tokens after cached ones) query t sees keys ``0..t + S - T``.
+    """
     return Mask(causal=True)
 
 
@@ -509,7 +515,13 @@ def normalize_window(local_window_size: Optional[Window]) -> Optional[Tuple[int,
 
 
 def window(left: int, right: Optional[int] = None) -> Mask:
-    """Keys at positions ``q - left .. q + right`` (``right`` defaults to ``left``)."""
+    """Keys at positions ``q_pos - left .. q_pos + right`` (``left + 1 + right`` keys; ``right``
+    defaults to ``left``); ints >= 0. Combined with :func:`causal`, ``right`` counts as 0: a causal
+    sliding window of W keys, the query's own included (Mistral), is ``causal() & window(W - 1, 0)``.
+
+    Positions as in :func:`causal`: those of :func:`positions`, by default keys at ``0..S-1``
+    and queries at the *last* T of them (query t at ``t + S - T``).
+    """
     return Mask(window=normalize_window((left, left if right is None else right)))
 
 
@@ -521,7 +533,17 @@ def positions(query_positions, key_positions) -> Mask:
 
 
 def segments(query_segment_ids, key_segment_ids) -> Mask:
-    """Packed sequences: equal ids attend; a negative id is padding."""
+    """Packed sequences: query t may attend to key s only if their ids are equal and not negative.
+
+    Args:
+      query_segment_ids: int ``(B|1, T)`` or ``(T,)``.
+      key_segment_ids: int ``(B|1, S)`` or ``(S,)``; for self-attention, the same ids again.
+        Both are required; their shapes are checked when the description is bound (passed to
+        :func:`flax_attn.dot_product_attention`).
+
+    Ids are only compared for equality. A negative id (e.g. -1) marks padding: such a key is
+    never attended to, and such a query attends to nothing (its output is zeros).
+    """
     if query_segment_ids is None or key_segment_ids is None:
         raise ValueError("segments needs both query_segment_ids and key_segment_ids (pass the same ids twice "
                          "for self-attention)")

@@ -59,53 +59,119 @@ QK_NORM_SCOPES = ("head", "per_head", "projection")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Configuration of :class:`Attention`; every field is also a keyword of ``torch_ref.modern.Attention``."""
+    """Configuration of :class:`Attention`; every field is also a keyword of ``torch_ref.modern.Attention``.
 
-    d_model: int                        # D: input and output width
-    num_heads: int                      # N: query heads
-    num_kv_heads: Optional[int] = None  # K: key/value heads, dividing N (None: N, multi-head; 1: multi-query)
+    Shapes use D = ``d_model``, N = ``num_heads``, K = the key/value heads (:attr:`kv_heads`) and
+    H = the head dim (:attr:`kv_head_dim`). Fields are checked at construction (``ValueError`` or
+    ``TypeError`` naming the field); ``rope_scaling`` is stored as a ``RopeScaling`` and
+    ``qkv_bias`` as one bool when its three flags agree.
+
+    Attributes:
+      d_model: D, the width of the input ``x`` (and of ``context``) and of the output; an int >= 1.
+      num_heads: N, the query heads; an int >= 1. ``q_proj`` is ``(D, N*H)``, ``o_proj`` ``(N*H, D)``.
+      num_kv_heads: K, the key/value heads, an int >= 1 dividing N; each serves N / K query heads.
+        None (default): K = N (multi-head); 1: multi-query; in between: grouped-query.
+        ``k_proj`` and ``v_proj`` are ``(D, K*H)``; a cache holds K heads.
+      head_dim: H, the features of each query, key and value head, an int >= 1 (need not be D / N).
+        None (default): ``d_model // num_heads``, and then ``num_heads`` must divide ``d_model``.
+      causal: True (default): a query attends to keys at its position or earlier (by the
+        positions given). False: to every key (encoders; set it for cross-attention). It also picks
+        the sliding window's shape and one-sided (causal) or bidirectional T5 buckets.
+      sliding_window: W, an int >= 1, or None (default: no window). Causal: the W keys ending at
+        the query, itself included (Mistral; ``local_window_size=(W - 1, 0)``); not causal: W keys
+        on each side, the query included (``(W - 1, W - 1)``). Bounds what a rolling cache keeps.
+      position: how positions enter: ``'rope'`` (default: queries and keys rotated), ``'alibi'``
+        (a fixed bias ``-slope_n * |q_pos - k_pos|`` per head, no parameter), ``'t5'`` (a learned
+        relative bias by bucket, parameter ``rel_bias`` ``embedding`` ``(t5_num_buckets, N)``) or
+        ``'none'`` (NoPE; add sinusoidal or learned positions to the embeddings outside the
+        layer). Calls need ``positions`` unless ``'none'`` (and no cache, no temperature tuning).
+      rope_theta: the RoPE frequency base (default 10000.0). The ``rope_*`` fields and
+        ``rotary_dim`` act with ``position='rope'`` only.
+      rope_layout: the dims RoPE rotates together: ``'rotate_half'`` (default: i with i + d/2;
+        GPT-NeoX, Llama) or ``'interleaved'`` (2i with 2i + 1; GPT-J, RoFormer).
+      rotary_dim: partial rotary: RoPE rotates only the first ``rotary_dim`` dims of each head, an
+        even number in [2, H]. None (default): all H (which must then be even).
+      rope_scaling: None (default: plain RoPE), a :class:`flax_attn.RopeScaling` or a dict of its
+        fields; kinds ``'linear'``, ``'ntk'``, ``'dynamic'``, ``'llama3'``, ``'yarn'``, ``'longrope'``.
+      t5_num_buckets: the T5 bias buckets (default 32), the rows of ``rel_bias``; halved between
+        the two directions when not causal.
+      t5_max_distance: T5 bias: relative distances from this one on share the last bucket
+        (default 128).
+      qk_norm: normalise queries and keys after projection, before RoPE (default False): by
+        default an RMSNorm of each head, one weight ``(H,)`` shared by the heads; ``qk_norm_type``,
+        ``_scope``, ``_bias``, ``_zero_centered`` and ``_weight`` change that, and need
+        ``qk_norm=True``. Parameters ``q_norm`` and ``k_norm`` (``scale``, and ``bias`` with
+        ``qk_norm_bias``).
+      qk_norm_eps: the QK-norm's epsilon (default 1e-6).
+      qk_norm_type: ``'rms'`` (default: RMSNorm) or ``'layer'`` (LayerNorm, mean subtracted; Phi,
+        Cohere).
+      qk_norm_scope: what one norm covers, and the shapes of its query / key weights: ``'head'``
+        (default): each head's H features, ``(H,)`` / ``(H,)`` shared by the heads;
+        ``'per_head'``: each head's H features, ``(N, H)`` / ``(K, H)`` (Cohere); ``'projection'``:
+        all N*H (K*H) features before the head split, ``(N*H,)`` / ``(K*H,)`` (OLMo 2).
+      qk_norm_bias: a learned bias in the QK-norm, of the weight's shape, zeros at init (default
+        False; Phi); needs ``qk_norm_type='layer'``.
+      qk_norm_zero_centered: the norm weight is stored as w and applied as 1 + w, zeros at init
+        (Gemma). False (default): applied as is, ones at init.
+      logit_softcap: c > 0: the logits become ``c * tanh(logits / c)`` (before bias and mask).
+        None (default): no cap.
+      qkv_bias: biases in the query / key / value projections, ``(N*H,)`` / ``(K*H,)`` /
+        ``(K*H,)``: one bool for all three (default False) or three bools (q, k, v), e.g.
+        ``(True, False, True)`` (Whisper: no key bias). See :attr:`projection_biases`.
+      out_bias: a bias ``(D,)`` in the output projection (default False).
+      sinks: attention sinks (gpt-oss; default False): a learned logit per query head, parameter
+        ``sinks`` ``(N,)``, which joins each softmax denominator and takes no value.
+      dropout: the dropout rate on the attention weights, in [0, 1) (default 0.0); with a rate
+        above 0 a call needs ``deterministic``.
+      scale: the logit scale, ``logits = q . k * scale``. None (default): ``1 / sqrt(H)`` (T5
+        uses 1.0).
+      chunk_size: C, an int >= 1: chunked attention (Llama 4's ``attention_chunk_size``), a query
+        sees only keys in its own chunk, ``position // C`` (with the causal rule). None
+        (default): no chunks.
+      temperature_tuning: ``(floor_scale, attn_scale)``, floor_scale > 0 (Llama 4's
+        ``attn_temperature_tuning`` on its NoPE layers: 8192 and 0.1): queries at position p are
+        multiplied by ``log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1``
+        (:func:`temperature_factor`). p is the ``positions`` argument, where Hugging Face uses
+        ``cache_position`` (the token's index in the cache): equal for unpadded rows from 0.
+        None (default): off.
+      qk_norm_weight: True (default): the QK-norm has learned weights. False: none (Llama 4's
+        L2Norm, ``x / sqrt(mean(x^2) + eps)``; no ``q_norm`` / ``k_norm`` parameters); needs
+        ``qk_norm=True``, ``qk_norm_type='rms'``, ``qk_norm_zero_centered=False`` and no RoPE
+        scaling with an attention factor (see the module docstring).
+      alibi_scaled: ALiBi added before the logit scale, ``(q . k + alibi) * scale``, i.e. the
+        slopes multiplied by the scale (Falcon-RW, Falcon with ``alibi=True``); needs
+        ``position='alibi'`` and no ``logit_softcap``. False (default): ``q . k * scale + alibi``.
+    """
+
+    d_model: int                        # D
+    num_heads: int                      # N
+    num_kv_heads: Optional[int] = None  # K (None: N)
     head_dim: Optional[int] = None      # H (None: d_model // num_heads)
-    causal: bool = True                 # a query sees keys at its position or earlier
-    sliding_window: Optional[int] = None  # W: causal, the W keys ending at the query (Mistral);
-    #                                       bidirectional, W keys on each side including the query
-    position: str = "rope"              # 'rope' | 'alibi' | 't5' | 'none' (NoPE; add sinusoidal or
-    #                                     learned positions to the embeddings outside the layer)
-    rope_theta: float = 10000.0         # RoPE frequency base
-    rope_layout: str = "rotate_half"    # 'rotate_half' (GPT-NeoX, Llama) | 'interleaved' (GPT-J, RoFormer)
-    rotary_dim: Optional[int] = None    # partial rotary: rotate only the first rotary_dim dims of a head
-    rope_scaling: Any = None            # RopeScaling or a dict of its fields: linear, ntk, llama3, yarn
-    t5_num_buckets: int = 32            # T5 bias: buckets (bidirectional when not causal)
-    t5_max_distance: int = 128          # T5 bias: distances beyond share the last bucket
-    qk_norm: bool = False               # normalise queries and keys after projection (RMSNorm per head unless
-    #                                     the qk_norm_* fields below say otherwise)
+    causal: bool = True
+    sliding_window: Optional[int] = None  # W
+    position: str = "rope"              # 'rope' | 'alibi' | 't5' | 'none'
+    rope_theta: float = 10000.0
+    rope_layout: str = "rotate_half"    # 'rotate_half' | 'interleaved'
+    rotary_dim: Optional[int] = None
+    rope_scaling: Any = None            # RopeScaling or a dict of its fields
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    qk_norm: bool = False
     qk_norm_eps: float = 1e-6
-    qk_norm_type: str = "rms"           # 'rms' (RMSNorm) | 'layer' (LayerNorm: mean subtracted; Phi, Cohere)
-    qk_norm_scope: str = "head"         # what one norm covers and its weights' shape:
-    #                                     'head': each head's H features, one weight (H,) shared by heads;
-    #                                     'per_head': each head's H features, weights (N, H) / (K, H) (Cohere);
-    #                                     'projection': all N*H (K*H) features before the head split (OLMo 2)
-    qk_norm_bias: bool = False          # a learned bias in the QK-norm (qk_norm_type='layer' only; Phi)
-    qk_norm_zero_centered: bool = False  # the norm weight is stored as w and applied as 1 + w (Gemma);
-    #                                      initialised to zeros. A plain weight is applied as is (ones).
-    logit_softcap: Optional[float] = None  # c: logits -> c * tanh(logits / c)
-    qkv_bias: Any = False               # biases in the query/key/value projections: a bool for all three,
-    #                                     or (q, k, v) flags, e.g. (True, False, True) (Whisper: no key bias)
-    out_bias: bool = False              # bias in the output projection
-    sinks: bool = False                 # attention sinks (gpt-oss): a learned logit per query head, parameter
-    #                                     ``sinks`` (N,), joins each softmax denominator and takes no value
-    dropout: float = 0.0                # dropout on the attention weights
-    scale: Optional[float] = None       # logit scale (None: 1 / sqrt(H); T5 uses 1.0)
-    chunk_size: Optional[int] = None    # C: chunked attention (Llama 4's attention_chunk_size): a query sees
-    #                                     only keys in its own chunk, position // C (with the causal rule)
-    temperature_tuning: Optional[tuple] = None  # (floor_scale, attn_scale): queries at position p are
-    #                                     multiplied by log(floor((p + 1) / floor_scale) + 1) * attn_scale + 1
-    #                                     (Llama 4's attn_temperature_tuning on its NoPE layers); p is the
-    #                                     positions argument, where Hugging Face uses cache_position (the
-    #                                     token's index in the cache): equal for unpadded rows from 0
-    qk_norm_weight: bool = True         # False: the QK-norm has no learned weight (Llama 4's L2Norm,
-    #                                     x / sqrt(mean(x^2) + eps)); needs qk_norm_type='rms'
-    alibi_scaled: bool = False          # ALiBi added before the logit scale: (q.k + alibi) * scale, i.e. the
-    #                                     slopes multiplied by the scale (Falcon-RW, Falcon with alibi=True)
+    qk_norm_type: str = "rms"           # 'rms' | 'layer'
+    qk_norm_scope: str = "head"         # 'head' | 'per_head' | 'projection'
+    qk_norm_bias: bool = False
+    qk_norm_zero_centered: bool = False  # weight applied as 1 + w
+    logit_softcap: Optional[float] = None  # c
+    qkv_bias: Any = False               # a bool, or (q, k, v) bools
+    out_bias: bool = False
+    sinks: bool = False
+    dropout: float = 0.0
+    scale: Optional[float] = None       # None: 1 / sqrt(H)
+    chunk_size: Optional[int] = None    # C
+    temperature_tuning: Optional[tuple] = None  # (floor_scale, attn_scale)
+    qk_norm_weight: bool = True
+    alibi_scaled: bool = False
 
     def __post_init__(self):
         _checks.check_positive_int("d_model", self.d_model)
@@ -270,8 +336,8 @@ def attention_params(config: AttentionConfig) -> dict:
     ``q_proj`` ``(D, N*H)``, ``k_proj``/``v_proj`` ``(D, K*H)``, ``o_proj`` ``(N*H, D)`` (biases with
     ``qkv_bias``/``out_bias``); with QK-norm ``q_norm``/``k_norm`` (``scale``, and ``bias`` with
     ``qk_norm_bias``, of shape ``(H,)``, or ``(N, H)``/``(K, H)`` per head, or ``(N*H,)``/``(K*H,)``
-    over the projection; none with ``qk_norm_weight=False``); with sinks ``sinks`` ``(N,)``; with T5 bias ``rel_bias`` (``embedding``
-    ``(buckets, N)``).
+    over the projection; none with ``qk_norm_weight=False``); with sinks ``sinks`` ``(N,)``; with T5
+    bias ``rel_bias`` (``embedding`` ``(buckets, N)``).
     """
     c = config
     N, K, H, D = c.num_heads, c.kv_heads, c.kv_head_dim, c.d_model
@@ -591,7 +657,8 @@ class Attention(nn.Module):
 
     Parameters (:func:`attention_params`): ``q_proj`` ``(D, N*H)``, ``k_proj``/``v_proj``
     ``(D, K*H)``, ``o_proj`` ``(N*H, D)``; with QK-norm ``q_norm``/``k_norm`` (scale ``(H,)``, or
-    as ``qk_norm_scope`` says); with sinks ``sinks`` ``(N,)``; with T5 bias ``rel_bias`` ``(buckets, N)``. The NNX twin is :class:`flax_attn.nnx.Attention`.
+    as ``qk_norm_scope`` says); with sinks ``sinks`` ``(N,)``; with T5 bias ``rel_bias`` ``(buckets, N)``.
+    The NNX twin is :class:`flax_attn.nnx.Attention`.
 
     Call (arrays may be passed by position, in this order, or by name; options are keyword-only):
       x: floating ``(B, T, D)``: the queries' sequence (and the keys', for self-attention).
@@ -632,6 +699,29 @@ class Attention(nn.Module):
     def __call__(self, x, positions=None, segment_ids=None, context=None, context_positions=None,
                  context_segment_ids=None, mask=None, cache: Optional[KVCache] = None, *,
                  deterministic: Optional[bool] = None):
+        """Self-attention over ``x``, or cross-attention from ``x`` to ``context`` (see the class docstring).
+
+        Args:
+          x: floating ``(B, T, D)``: the queries' sequence (and the keys', for self-attention).
+          positions: int ``(B, T)``, ``(1, T)`` or ``(T,)``; required unless ``position='none'``
+            with neither cache nor ``temperature_tuning``.
+          segment_ids: int, shaped as ``positions``: packed sequences attend only within their
+            segment; negative ids mark padding (never attended to; such queries return zeros).
+          context: ``(B, S, D)`` for cross-attention, or a :class:`ContextKV` of :meth:`context_kv`
+            (the same result, the context not projected again); None: self-attention, S = T.
+          context_positions, context_segment_ids: ``(B, S)`` or ``(S,)``, as ``positions`` and
+            ``segment_ids`` for the context (segment ids on both sides or neither); not with a
+            ``ContextKV``, which holds them.
+          mask: extra boolean mask, True = may attend, broadcastable to ``(B, N, T, S)`` (with a
+            cache, S = its ``max_len``, see the module docstring).
+          cache: a :class:`KVCache` (self-attention only; dtype of the keys, see :meth:`init_cache`):
+            the new keys and values are written into it and the call attends over the cache.
+          deterministic: required when ``dropout > 0``; False applies dropout with
+            ``rngs={'dropout': key}``.
+
+        Returns:
+          ``(B, T, D)``, or ``(output, new_cache)`` when a cache is given.
+        """
         params = declared(self, attention_params(self.config))
         rng = dropout_rng(self, self.config.dropout, deterministic, "Attention")
         return attention_forward(self.config, params, x, positions, segment_ids, context, context_positions,

@@ -87,29 +87,70 @@ from flax_attn.positional import rope as rope_lib
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Configuration of :class:`MultiHeadLatentAttention`; every field is also a keyword of
-    ``torch_ref.mla.MultiHeadLatentAttention``. Hugging Face ``DeepseekV3Config`` names in brackets."""
+    ``torch_ref.mla.MultiHeadLatentAttention``. Hugging Face ``DeepseekV3Config`` names in brackets
+    (fields without brackets have no counterpart there); :func:`flax_attn.hf.load_attention`
+    reads a checkpoint's ``config.json`` into them.
 
-    d_model: int                        # D: input and output width [hidden_size]
-    num_heads: int                      # N: attention heads [num_attention_heads]
-    kv_lora_rank: int                   # r_kv: width of the cached key/value latent c_kv
-    qk_nope_head_dim: int               # d_n: per-head query/key dims without position (from the latent)
-    qk_rope_head_dim: int               # d_r: per-head query dims and shared key dims with RoPE (even)
-    v_head_dim: int                     # d_v: per-head value dims (may differ from d_n + d_r)
-    q_lora_rank: Optional[int] = None   # r_q: low-rank queries (q_a_proj, q_a_layernorm, q_b_proj);
-    #                                     None: one q_proj D -> N (d_n + d_r) (DeepSeek-V2-Lite)
-    causal: bool = True                 # a query sees keys at its position or earlier
-    rope_theta: float = 10000.0         # RoPE frequency base
-    rope_layout: str = "interleaved"    # 'interleaved' (DeepSeek; HF rope_interleave=True) | 'rotate_half'
-    rope_scaling: Any = None            # RopeScaling or a dict of its fields (DeepSeek-V3: yarn with
-    #                                     mscale and mscale_all_dim), passed to rope_frequencies
-    rms_norm_eps: float = 1e-6          # epsilon of q_a_layernorm and kv_a_layernorm
-    attention_bias: bool = False        # biases in q_a_proj, kv_a_proj_with_mqa and o_proj (never in
-    #                                     q_proj, q_b_proj, kv_b_proj, as in DeepSeek)
-    dropout: float = 0.0                # dropout on the attention weights [attention_dropout]
-    scale: Optional[float] = None       # softmax scale (None: 1/sqrt(d_n + d_r), times YaRN's
-    #                                     m(factor, mscale_all_dim)^2 when rope_scaling sets it)
-    absorb: bool = False                # attend in the latent space (W_UK into the query, W_UV after):
-    #                                     the same function, cheaper decoding
+    Symbols as in the module docstring: D, N, r_kv, r_q, d_n, d_r, d_v. Fields are checked at
+    construction (``ValueError`` naming the field); ``rope_scaling`` is stored as a ``RopeScaling``.
+
+    Attributes:
+      d_model [hidden_size]: D, the width of the input ``x`` and of the output; an int >= 1.
+      num_heads [num_attention_heads]: N, the attention heads (queries, keys and values alike);
+        an int >= 1.
+      kv_lora_rank [kv_lora_rank]: r_kv, the width of the latent ``c_kv`` from which every head's
+        keys and values are decompressed, and which a cache stores: ``kv_a_proj_with_mqa``
+        ``(D, r_kv + d_r)``, ``kv_a_layernorm`` ``scale (r_kv,)``, ``kv_b_proj`` ``(r_kv, N (d_n + d_v))``.
+      qk_nope_head_dim [qk_nope_head_dim]: d_n, the query/key dims of each head without position
+        (the keys' from the latent).
+      qk_rope_head_dim [qk_rope_head_dim]: d_r, the query dims of each head with RoPE, and the dims
+        of the one rotary key shared by all heads; even.
+      v_head_dim [v_head_dim]: d_v, the value dims of each head (may differ from d_n + d_r);
+        ``o_proj`` is ``(N d_v, D)``.
+      q_lora_rank [q_lora_rank]: r_q, low-rank queries: ``q_a_proj`` ``(D, r_q)``, ``q_a_layernorm``
+        ``scale (r_q,)``, ``q_b_proj`` ``(r_q, N (d_n + d_r))``. None (default; DeepSeek-V2-Lite):
+        one ``q_proj`` ``(D, N (d_n + d_r))``.
+      causal: a query attends to keys at its position or earlier (default True, as in DeepSeek);
+        False: to every key.
+      rope_theta [rope_theta]: the RoPE frequency base (default 10000.0).
+      rope_layout [rope_interleave]: ``'interleaved'`` (default: pairs ``(2i, 2i + 1)``, DeepSeek's
+        code; ``rope_interleave=True``) or ``'rotate_half'`` (i with i + d_r/2;
+        ``rope_interleave=False``).
+      rope_scaling [rope_scaling]: None (default), a :class:`flax_attn.RopeScaling` or a dict of
+        its fields, passed to :func:`flax_attn.rope_frequencies` (DeepSeek-V3: YaRN, with
+        ``mscale`` and ``mscale_all_dim``; ``flax_attn.hf`` translates Hugging Face's keys).
+      rms_norm_eps: the epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``, > 0 (default 1e-6).
+        Not Hugging Face's ``rms_norm_eps``, which is the decoder's: transformers builds these two
+        norms with 1e-6, and ``flax_attn.hf`` does too.
+      attention_bias [attention_bias]: biases on ``q_a_proj`` ``(r_q,)``, ``kv_a_proj_with_mqa``
+        ``(r_kv + d_r,)`` and ``o_proj`` ``(D,)`` (default False); never on ``q_proj``,
+        ``q_b_proj`` or ``kv_b_proj``, as in DeepSeek.
+      dropout [attention_dropout]: the dropout rate on the attention weights, in [0, 1) (default
+        0.0); with a rate above 0 a call needs ``deterministic``.
+      scale: the softmax scale, a positive number. None (default): ``1 / sqrt(d_n + d_r)``, times
+        YaRN's ``m(factor, mscale_all_dim)^2`` when ``rope_scaling`` sets ``mscale_all_dim``
+        (:attr:`softmax_scale`).
+      absorb: attend in the latent space (``W_UK`` folded into the query, ``W_UV`` applied after;
+        default False): the same function and parameters, and the cheap way to decode with a
+        cache (see the module docstring).
+    """
+
+    d_model: int                        # D
+    num_heads: int                      # N
+    kv_lora_rank: int                   # r_kv
+    qk_nope_head_dim: int               # d_n
+    qk_rope_head_dim: int               # d_r (even)
+    v_head_dim: int                     # d_v
+    q_lora_rank: Optional[int] = None   # r_q (None: one q_proj)
+    causal: bool = True
+    rope_theta: float = 10000.0
+    rope_layout: str = "interleaved"    # 'interleaved' | 'rotate_half'
+    rope_scaling: Any = None            # RopeScaling or a dict of its fields
+    rms_norm_eps: float = 1e-6          # of q_a_layernorm and kv_a_layernorm
+    attention_bias: bool = False
+    dropout: float = 0.0
+    scale: Optional[float] = None       # None: softmax_scale's default
+    absorb: bool = False
 
     def __post_init__(self):
         for name in ("d_model", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -498,6 +539,24 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __call__(self, x, positions=None, segment_ids=None, mask=None, cache: Optional[LatentKVCache] = None, *,
                  deterministic: Optional[bool] = None):
+        """Causal (by default) multi-head latent self-attention over ``x`` (see the class docstring).
+
+        Args:
+          x: floating ``(B, T, D)``.
+          positions: int ``(B, T)``, ``(1, T)`` or ``(T,)`` (required): RoPE angles and the causal
+            rule use them.
+          segment_ids: int, shaped as ``positions``: packed sequences attend only within their
+            segment; negative ids mark padding (never attended to; such queries return zeros).
+          mask: extra boolean mask, True = may attend, broadcastable to ``(B, N, T, S)`` (S = T, or
+            the cache's ``max_len`` with a cache).
+          cache: a :class:`LatentKVCache` (dtype of the latents, see :meth:`init_cache`): the new
+            tokens' latents are written into it and the call attends over every cached token.
+          deterministic: required when ``dropout > 0``; False applies dropout with
+            ``rngs={'dropout': key}``.
+
+        Returns:
+          ``(B, T, D)``, or ``(output, new_cache)`` when a cache is given.
+        """
         params = declared(self, mla_params(self.config))
         rng = dropout_rng(self, self.config.dropout, deterministic, "MultiHeadLatentAttention")
         return mla_forward(self.config, params, x, positions, segment_ids, mask, cache, dropout_rng=rng,

@@ -49,9 +49,22 @@ def relative_position_bucket(relative_position, *, bidirectional: bool = True, n
 
 
 def t5_bias(table, query_positions, key_positions, *, bidirectional: bool = True, max_distance: int = 128):
-    """Bias ``(..., N, T, S)`` from a learned ``table`` of shape ``(num_buckets, N)``.
+    """Bias ``(N, T, S)`` or ``(B, N, T, S)`` from a learned ``table`` of shape ``(num_buckets, N)``.
 
-    ``bias[..., n, t, s] = table[bucket(key_positions[s] - query_positions[t]), n]``.
+    ``bias[..., n, t, s] = table[bucket(key_positions[s] - query_positions[t]), n]``
+    (:func:`relative_position_bucket`).
+
+    Args:
+      table: ``(num_buckets, N)``; ``num_buckets`` is its first dim.
+      query_positions: int ``(T,)`` or ``(B, T)``.
+      key_positions: int ``(S,)`` or ``(B, S)``; a batch dim on both sides must be equal, or 1
+        on one side.
+      bidirectional: half the buckets for each direction (encoders); False: one-sided (decoders).
+      max_distance: distances from this one on share the last bucket.
+
+    Returns:
+      ``(N, T, S)`` when both positions are 1-D, else ``(B, N, T, S)``: a ``bias`` for
+      :func:`flax_attn.dot_product_attention`.
     """
     _checks.check_rank("table", table, 2, "(num_buckets, N)")
     check_position_pair("query_positions", query_positions, "key_positions", key_positions)

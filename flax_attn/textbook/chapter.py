@@ -336,6 +336,16 @@ class MultiHeadAttention(nn.Module):
         return self.d_out // self.num_heads
 
     def __call__(self, x, *, deterministic: Optional[bool] = None):
+        """Causal self-attention over ``x`` with N = ``num_heads`` heads of H = ``head_dim``.
+
+        Args:
+          x: floating ``(B, T, d_in)``, ``T <= context_length``.
+          deterministic: required when ``dropout > 0``; False applies dropout with
+            ``rngs={'dropout': key}``.
+
+        Returns:
+          ``(B, T, d_out)``, ``d_out = N * H``.
+        """
         params = declared(self, self._specs())
         rng = dropout_rng(self, self.dropout, deterministic, "MultiHeadAttention")
         return multi_head_attention(self.d_in, self.d_out, self.context_length, self.dropout, self.num_heads, params,
