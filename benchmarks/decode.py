@@ -45,6 +45,7 @@ floats at fill level L); ``GB/s`` is that floor over the measured time.
     python -m benchmarks.decode --quick    # prefix 1024 only, fewer rounds
     python -m benchmarks.decode --warm     # rounds of STEPS steps back to back, nothing evicted
     python -m benchmarks.decode --generation   # whole generations: a cache allocated or grown (generation())
+    python -m benchmarks.decode --loop     # runs of steps: a Python loop (eager, decode_step) or one program (loop())
     python -m benchmarks.decode --generation --compilation-cache DIR   # the same with JAX's persistent cache in DIR
 """
 from __future__ import annotations
@@ -327,12 +328,7 @@ def generation(batch: int, prefix: int, tokens: int, capacity: int) -> list[dict
         return out, total, growth, cache.max_len
 
     results = {"flax_attn BKSH, allocated": flax_run(capacity, False), "flax_attn BKSH, grown by reserve": flax_run(prefix, True)}
-    twin = _torch_layer_class()(D, N, B, capacity)
-    with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(twin, name).weight.copy_(torch.from_numpy(np.asarray(params["params"][name]["kernel"]).T.copy()))
-        twin.k_cache[:, :, :prefix] = torch.from_numpy(k0)
-        twin.v_cache[:, :, :prefix] = torch.from_numpy(v0)
+    twin = _torch_twin(params, B, capacity, k0, v0)
     tx, total = torch.from_numpy(x), 0.0
     with torch.inference_mode():
         twin(tx, prefix)  # warm-up, then the same slot written again
@@ -351,6 +347,81 @@ def generation(batch: int, prefix: int, tokens: int, capacity: int) -> list[dict
                      "ms_per_step": seconds / tokens * 1e3, "growth_s": growth,
                      "ratio_vs_torch": seconds / results["torch eager"][1]})
     return rows
+
+
+def loop(batch: int, prefix: int, tokens: int, repeats: int) -> list[dict]:
+    """A run of ``tokens`` one-token steps after ``prefix`` cached tokens, back to back (caches
+    warm), by three contenders in turns: PyTorch eager (a Python loop of steps),
+    ``fa.decode_step`` (a Python loop of compiled steps) and ``fa.decode_loop`` (the run as one
+    compiled program). Every step takes the same token ``x`` (no sampling: the same work for
+    all three). Each run starts from the same ``prefix`` cached tokens (the flax_attn caches
+    rebuilt before it, outside its time; PyTorch's slots overwritten); the last outputs are
+    checked to agree (relative 1e-4). Rows: ms a token and the ratio to PyTorch's."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import flax_attn as fa
+
+    B, D, N = batch, D_MODEL, HEADS
+    H, slots = D // N, prefix + tokens
+    rng = np.random.default_rng(batch * 100003 + prefix)
+    layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, position="rope", rope_theta=THETA))
+    x = rng.standard_normal((B, 1, D)).astype(np.float32)
+    params = layer.init(jax.random.key(0), jnp.asarray(x), jnp.zeros((B, 1), jnp.int32))
+    k0, v0 = (rng.standard_normal((B, N, prefix, H), dtype=np.float32) for _ in range(2))
+    xt, first = jnp.asarray(x), jnp.full((B, 1), prefix, jnp.int32)
+    step, run_loop = fa.decode_step(layer), fa.decode_loop(layer, lambda out: (xt, out))
+    caches = {}
+
+    def fresh():
+        caches.update(step=prefilled(layer, slots, k0, v0), loop=prefilled(layer, slots, k0, v0))
+        jax.block_until_ready(caches)
+
+    def by_steps():
+        cache, out = caches.pop("step"), None
+        for t in range(tokens):
+            out, cache = step(params, cache, xt, first + t)
+        return np.asarray(out)
+
+    def as_one_program():
+        outs, _ = run_loop(params, caches.pop("loop"), xt, first, tokens)
+        return np.asarray(outs[-1])
+
+    twin = _torch_twin(params, B, slots, k0, v0)
+    tx = torch.from_numpy(x)
+
+    def eager():
+        with torch.inference_mode():
+            for t in range(tokens):
+                out = twin(tx, prefix + t)
+        return out.numpy()
+
+    runs = {"torch eager": eager, "flax_attn decode_step": by_steps, "flax_attn decode_loop": as_one_program}
+    ref = eager()
+    for name, fn in runs.items():
+        fresh()
+        err = float(np.max(np.abs(fn() - ref)) / np.max(np.abs(ref)))
+        if not err <= 1e-4:
+            raise AssertionError(f"{name} and torch eager disagree on the last step: relative error {err:.1e}")
+    times = time_in_turns(runs, repeats, warmup=0, before=fresh)  # compiled and warmed by the check above
+    return [{"contender": name, "batch": B, "prefix": prefix, "tokens": tokens, "ms_per_token": t / tokens * 1e3,
+             "ratio_vs_torch": t / times["torch eager"]} for name, t in times.items()]
+
+
+def _torch_twin(params, batch: int, slots: int, k0, v0):
+    """:func:`_torch_layer_class`'s layer with ``params``' projections and ``k0``, ``v0`` ``(B, K,
+    prefix, H)`` in its cache's first slots."""
+    import torch
+
+    twin = _torch_layer_class()(D_MODEL, HEADS, batch, slots)
+    prefix = k0.shape[2]
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(twin, name).weight.copy_(torch.from_numpy(np.asarray(params["params"][name]["kernel"]).T.copy()))
+        twin.k_cache[:, :, :prefix] = torch.from_numpy(k0)
+        twin.v_cache[:, :, :prefix] = torch.from_numpy(v0)
+    return twin
 
 
 def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, grouped=GROUPED,
@@ -416,12 +487,25 @@ def main(argv=None) -> None:
     parser.add_argument("--compilation-cache", type=Path, default=None, metavar="DIR",
                         help="with --generation: JAX's persistent compilation cache in DIR (every compilation kept); "
                              "a second run finds the grown sizes' steps compiled")
+    parser.add_argument("--loop", action="store_true",
+                        help="runs of 64 steps after 1,024 tokens, warm: PyTorch eager, decode_step, decode_loop (loop())")
     parser.add_argument("--warm", action="store_true",
                         help="rounds of STEPS steps back to back, the caches warm (default: each step cold)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.compilation_cache is not None and not args.generation:
         parser.error("--compilation-cache goes with --generation")
+    if args.loop:
+        rows = [row for b in BATCHES for row in loop(b, 1024, 64, args.repeats)]
+        print(f"Runs of 64 one-token steps after 1,024 tokens, caches warm, {args.repeats} rounds in turns; "
+              f"CPU {machine()['cpu']}\n")
+        print("| batch | contender | ms/token | vs torch |\n| --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['batch']} | {r['contender']} | {r['ms_per_token']:.3f} | {r['ratio_vs_torch']:.2f}x |")
+        out = args.out or Path(__file__).parent / "results" / f"decode-loop-{cpu.slug()}.json"
+        out.write_text(json.dumps({"machine": machine(), "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {out}")
+        return
     if args.generation:
         suffix = ""
         if args.compilation_cache is not None:

@@ -33,7 +33,8 @@ from flax_attn.core import mask as masks
 from flax_attn.core.tuning import jit
 from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
 from flax_attn.layers import (Attention, AttentionConfig, ContextKV, KVCache, LatentKVCache, LearnedPositionalEmbedding,
-                              MLAConfig, MultiHeadLatentAttention, decode_step, mla_forward, mla_params)
+                              MLAConfig, MultiHeadLatentAttention, decode_loop, decode_step, mla_forward,
+                              mla_params)
 from flax_attn.positional import (
     RopeScaling,
     alibi_bias,
@@ -68,6 +69,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "MLAConfig",
     "MultiHeadLatentAttention",
+    "decode_loop",
     "decode_step",
     "jit",
     "keep_host_memory",

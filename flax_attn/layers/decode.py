@@ -9,6 +9,12 @@
 Donating the cache (``donate_argnums``) lets XLA write the new keys into the cache's own
 buffers (``lax.dynamic_update_slice`` in place) instead of copying ``B * S * K * H`` keys and
 values every step. The cache passed in is consumed: use only the one returned.
+
+:func:`decode_loop` compiles a whole run of one-token steps into one program (a ``lax.scan``
+feeding each step's output back as the next input on the device)::
+
+    loop = flax_attn.decode_loop(model, next_input)          # next_input(out) -> (x_next, emitted)
+    emitted, cache = loop(params, cache, x_t, positions_t, steps)
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_attn import _checks
 from flax_attn.core import tuning
@@ -86,41 +93,125 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     """
     _checks.check_positive_int("check_lag", check_lag)
     donate_argnums = (1,) if donate else ()
-    if compiler_options is not None and not isinstance(compiler_options, dict):
-        raise TypeError(f"decode_step compiler_options must be a dict or None, got {type(compiler_options).__name__}")
+    _check_options(compiler_options, "decode_step")
     jit = functools.partial(tuning.jit, donate_argnums=donate_argnums, compiler_options=compiler_options)
+    call, nnx_state = _cached_call(layer, "decode_step")
+    jitted = jit(_checked(call))
+    read = _Reader(check_lag)
+    if nnx_state is None:
+        def step(variables, cache, x, positions, segment_ids=None) -> Any:
+            return read(jitted(variables, cache, x, positions, segment_ids), x)
+    else:
+        def step(cache, x, positions, segment_ids=None) -> Any:
+            return read(jitted(nnx_state(), cache, x, positions, segment_ids), x)
+
+    step.jitted = jitted
+    step.check = read.check
+    return step
+
+
+def decode_loop(layer, next_input: Callable, *, donate: bool = True,
+                compiler_options: Optional[dict] = None) -> Callable:
+    """A whole run of one-token decoding steps of ``layer`` as one compiled program: a
+    ``lax.scan`` over the steps, each step's output turned into the next step's input by
+    ``next_input`` on the device, the cache donated. A Python loop over :func:`decode_step`
+    pays, every token, the host's dispatch and the runtime's handoffs of a compiled program;
+    this pays them once per run.
+
+        loop = flax_attn.decode_loop(model, lambda logits: (jnp.argmax(logits[:, -1], -1)[:, None],) * 2)
+        tokens, cache = loop(variables, cache, first_token, first_position, steps=64)
+
+    Args:
+      layer: what :func:`decode_step` takes (Linen or NNX), called as ``layer(x, positions,
+        cache=cache) -> (out, cache)``: e.g. a decoder from tokens to logits.
+      next_input: ``next_input(out) -> (x_next, emitted)``, or ``next_input(out, key)`` when
+        the loop is given a ``key`` (a step's key: ``jax.random.fold_in(key, t)``): ``x_next``
+        the next step's input, of ``x``'s shape and dtype (e.g. the greedy token ``(B, 1)``),
+        ``emitted`` any pytree of arrays to keep from the step (e.g. the token).
+      donate: donate the cache (default True): it is consumed; keep the one returned.
+      compiler_options: as :func:`decode_step`'s.
+
+    Returns:
+      Linen: ``loop(variables, cache, x, positions, steps, key=None) -> (emitted, cache)``;
+      NNX: ``loop(cache, x, positions, steps, key=None)``. ``x`` is the first step's input (one
+      token per sequence, ``(B, 1, ...)``), ``positions`` int ``(B, 1)`` its positions (step t
+      runs at ``positions + t``), ``steps`` a Python int (one compilation per value);
+      ``emitted`` has each leaf stacked over the steps on a new leading axis ``(steps, ...)``.
+      After the run, the run-time checks of every step are read (one transfer): a failed one
+      raises its ``ValueError`` naming the step; that step's ``out`` was NaN, and the rest of
+      the run is not to be used.
+    """
+    _check_options(compiler_options, "decode_loop")
+    call, nnx_state = _cached_call(layer, "decode_loop")
+
+    def run(state, cache, x, positions, key, steps):
+        def body(carry, t):
+            cache, x = carry
+            (out, cache), checks = _checked(call)(state, cache, x, positions + t, None)
+            x_next, emitted = next_input(out) if key is None else next_input(out, jax.random.fold_in(key, t))
+            if jnp.shape(x_next) != jnp.shape(x) or jnp.result_type(x_next) != jnp.result_type(x):
+                raise ValueError(f"decode_loop's next_input must return the next input of x's shape and dtype "
+                                 f"{jnp.shape(x)} {jnp.result_type(x)}, got {jnp.shape(x_next)} "
+                                 f"{jnp.result_type(x_next)}")
+            return (cache, x_next), (emitted, checks)
+
+        (cache, _), (emitted, checks) = jax.lax.scan(body, (cache, x), jnp.arange(steps, dtype=jnp.int32))
+        return (emitted, cache), checks
+
+    jitted = tuning.jit(run, static_argnums=(5,), donate_argnums=(1,) if donate else (),
+                        compiler_options=compiler_options)
+
+    def finish(answer):
+        (emitted, cache), checks = answer
+        for t, row in enumerate(np.asarray(checks)):
+            _checks.raise_failed(row, f" (found after step {t} of the decoding loop ran; its output is NaN and the "
+                                      f"rest of the run is not to be used)")
+        return emitted, cache
+
+    def positions_of(x, positions, steps):
+        _checks.check_positive_int("decode_loop steps", steps)
+        if jnp.ndim(x) < 2 or jnp.shape(x)[1] != 1 or jnp.shape(positions) != jnp.shape(x)[:1] + (1,):
+            raise ValueError(f"decode_loop takes one token per sequence: x (B, 1, ...) and positions (B, 1), got x "
+                             f"{jnp.shape(x)} and positions {jnp.shape(positions)}")
+        return jnp.asarray(positions)
+
+    if nnx_state is None:
+        def loop(variables, cache, x, positions, steps: int, key=None):
+            return finish(jitted(variables, cache, x, positions_of(x, positions, steps), key, steps))
+    else:
+        def loop(cache, x, positions, steps: int, key=None):
+            return finish(jitted(nnx_state(), cache, x, positions_of(x, positions, steps), key, steps))
+    loop.jitted = jitted
+    return loop
+
+
+def _check_options(compiler_options, who: str) -> None:
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise TypeError(f"{who} compiler_options must be a dict or None, got {type(compiler_options).__name__}")
+
+
+def _cached_call(layer, who: str):
+    """``(call, nnx_state)``: ``call(state, cache, x, positions, segment_ids) -> (out, cache)``,
+    the layer's cached call on its variables (Linen) or state (NNX), and for NNX a function
+    giving the module's current state (None for Linen, whose variables the caller passes)."""
     if isinstance(layer, nn.Module):
         def call(variables, cache, x, positions, segment_ids):
             args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
             return layer.apply(variables, *args, cache=cache, **_deterministic(layer))
 
-        jitted = jit(_checked(call))
-        read = _Reader(check_lag)
+        return call, None
+    from flax import nnx  # imported here: Linen users need not load NNX
 
-        def step(variables, cache, x, positions, segment_ids=None) -> Any:
-            return read(jitted(variables, cache, x, positions, segment_ids), x)
+    if not isinstance(layer, nnx.Module):
+        raise TypeError(f"{who} takes a Linen or NNX module, got {type(layer).__name__}")
+    graphdef = nnx.graphdef(layer)
 
-    else:
-        from flax import nnx  # imported here: Linen users need not load NNX
+    def call_nnx(state, cache, x, positions, segment_ids):
+        module = nnx.merge(graphdef, state)
+        args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
+        return module(*args, cache=cache, **_deterministic(module))
 
-        if not isinstance(layer, nnx.Module):
-            raise TypeError(f"decode_step takes a Linen or NNX module, got {type(layer).__name__}")
-        graphdef = nnx.graphdef(layer)
-
-        def call_nnx(state, cache, x, positions, segment_ids):
-            module = nnx.merge(graphdef, state)
-            args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
-            return module(*args, cache=cache, **_deterministic(module))
-
-        jitted = jit(_checked(call_nnx))
-        read = _Reader(check_lag)
-
-        def step(cache, x, positions, segment_ids=None) -> Any:
-            return read(jitted(nnx.state(layer), cache, x, positions, segment_ids), x)
-
-    step.jitted = jitted
-    step.check = read.check
-    return step
+    return call_nnx, lambda: nnx.state(layer)
 
 
 def _checked(call):

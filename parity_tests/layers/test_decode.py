@@ -226,6 +226,68 @@ def test_decode_step_checks_without_host_callbacks():
         fa.decode_step(layer, check_lag=0)
 
 
+def _feedback(out):
+    """A decode_loop's next_input for a layer: the next input from the output (bounded, (B, 1, D)), and
+    the output itself kept."""
+    return jnp.tanh(out), out
+
+
+def test_decode_loop_equals_a_loop_of_steps():
+    """decode_loop's steps (one program: a scan, the next input computed on the device) give a
+    Python loop of decode_step's outputs and cache; Linen and NNX; the cache donated."""
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2})
+    step = fa.decode_step(layer)
+    cache = layer.init_cache(2, 12)
+    _, cache = step(params, cache, x[:, :4], positions[:, :4])
+    keep = jax.tree.map(jnp.copy, cache)
+    want, xt = [], x[:, 4:5]
+    for t in range(4, 10):
+        out, cache = step(params, cache, xt, positions[:, t:t + 1])
+        xt, kept = _feedback(out)
+        want.append(kept)
+    loop = fa.decode_loop(layer, _feedback)
+    before = jax.tree.map(jnp.copy, keep)
+    got, got_cache = loop(params, before, x[:, 4:5], positions[:, 4:5], 6)
+    assert before.key.is_deleted()                                   # donated
+    assert got.shape == (6, 2, 1, D)                                 # stacked over the steps
+    assert_close(got, jnp.stack(want), np.float32, "decode_loop vs decode_step")
+    assert_close(got_cache.key, cache.key, np.float32, "the caches")
+    assert int(got_cache.length) == 10
+
+    model = fa.nnx.from_linen(layer, params)
+    got_nnx, _ = fa.decode_loop(model, _feedback)(jax.tree.map(jnp.copy, keep), x[:, 4:5], positions[:, 4:5], 6)
+    np.testing.assert_allclose(got_nnx, got, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_loop_keys_and_errors():
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2})
+    key = jax.random.key(3)
+    loop = fa.decode_loop(layer, lambda out, k: (out, jax.random.key_data(k)), donate=False)
+    cache = layer.init_cache(2, 12)
+    keys, _ = loop(params, cache, x[:, :1], positions[:, :1], 3, key=key)  # step t gets fold_in(key, t)
+    np.testing.assert_array_equal(keys, np.stack([jax.random.key_data(jax.random.fold_in(key, t)) for t in range(3)]))
+
+    loop = fa.decode_loop(layer, _feedback, donate=False)
+    with pytest.raises(ValueError, match=r"decode_loop steps must be a positive integer, got 0"):
+        loop(params, cache, x[:, :1], positions[:, :1], 0)
+    with pytest.raises(ValueError, match=r"one token per sequence: x \(B, 1, ...\) and positions \(B, 1\), got x "
+                                         r"\(2, 2, 16\) and positions \(2, 2\)"):
+        loop(params, cache, x[:, :2], positions[:, :2], 3)
+    bad = fa.decode_loop(layer, lambda out: (out[..., :3], out), donate=False)
+    with pytest.raises(ValueError, match=r"next_input must return the next input of x's shape and dtype \(2, 1, 16\) "
+                                         r"float32, got \(2, 1, 3\) float32"):
+        bad(params, cache, x[:, :1], positions[:, :1], 3)
+    with pytest.raises(TypeError, match="decode_loop takes a Linen or NNX module, got function"):
+        fa.decode_loop(lambda x: x, _feedback)
+
+    # run-time checks: the first failed step named after the run; its output is NaN
+    cache = layer.init_cache(2, 6)
+    _, cache = fa.decode_step(layer)(params, cache, x[:, :4], positions[:, :4])
+    with pytest.raises(ValueError, match=r"KV cache overflow: 6 cached \+ 1 new tokens > max_len=6;.*step 2 of the "
+                                         r"decoding loop"):
+        loop(params, cache, x[:, 4:5], positions[:, 4:5], 4)          # steps 0 and 1 fill slots 5 and 6
+
+
 def test_deferred_checks_are_one_packed_output():
     """A program's deferred checks leave it as one int32 vector (a step returns out, the cache's
     leaves and that vector); the message of the first failed check gets its values back exactly,
@@ -342,6 +404,16 @@ def test_benchmark_rows_and_report():
     floor = 4 * 768 * 768 * 4 + 2 * (64 + 8) * 768 * 4
     assert all(floor <= r["floor_bytes_per_step"] < floor + 2 * 16 * 8 * 768 * 4 for r in chunks)
     assert all(r["ms_per_token"] * 8 == pytest.approx(r["ms_per_step"]) for r in chunks)
+
+
+def test_loop_benchmark_rows():
+    # benchmarks/decode.py's runs of steps at their smallest: the three contenders agree on the
+    # last step before anything is timed (the check raises otherwise)
+    from benchmarks import decode as bench
+
+    rows = bench.loop(batch=1, prefix=16, tokens=3, repeats=1)
+    assert [r["contender"] for r in rows] == ["torch eager", "flax_attn decode_step", "flax_attn decode_loop"]
+    assert rows[0]["ratio_vs_torch"] == 1.0 and all(r["ms_per_token"] > 0 and r["tokens"] == 3 for r in rows)
 
 
 def test_mla_benchmark_rows_and_report():
