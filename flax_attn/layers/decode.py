@@ -137,6 +137,8 @@ def decode_loop(layer, next_input: Callable, *, donate: bool = True,
       token per sequence, ``(B, 1, ...)``), ``positions`` int ``(B, 1)`` its positions (step t
       runs at ``positions + t``), ``steps`` a Python int (one compilation per value);
       ``emitted`` has each leaf stacked over the steps on a new leading axis ``(steps, ...)``.
+      The steps take no segment ids: each new token is a real one (segment 0, as a
+      :func:`decode_step` call without them), after a prefill that may pad.
       After the run, the run-time checks of every step are read (one transfer): a failed one
       raises its ``ValueError`` naming the step; that step's ``out`` was NaN, and the rest of
       the run is not to be used.
