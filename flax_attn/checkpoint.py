@@ -45,6 +45,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -473,9 +474,9 @@ def _placement(shardings, saved_leaves: dict) -> Optional[dict]:
     split."""
     if shardings is None:
         return None
-    tree = shardings["params"] if isinstance(shardings, dict) and set(shardings) == {"params"} else shardings
-    if not isinstance(tree, dict):
-        raise TypeError(f"shardings must be a dict of jax.sharding.Sharding (the parameters' tree), "
+    tree = shardings["params"] if isinstance(shardings, Mapping) and set(shardings) == {"params"} else shardings
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"shardings must be a mapping (dict, FrozenDict) of jax.sharding.Sharding (the parameters' tree), "
                         f"got {type(tree).__name__}")
     place = traverse_util.flatten_dict(_as_dict(tree))
     problems = [f"no sharding for {'/'.join(p)}" for p in sorted(set(saved_leaves) - set(place))]

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -456,6 +457,12 @@ def test_restore_into_shardings_checks_them(tmp_path):
     too_long = {**params, "q_proj": {"kernel": NamedSharding(mesh, P(None, None, "model"))}}
     with pytest.raises(ValueError, match=r"q_proj/kernel of shape \(32, 32\) cannot be split by"):
         ck.restore(tmp_path, module, shardings=too_long)
-    with pytest.raises(TypeError, match="shardings must be a dict"):
+    with pytest.raises(TypeError, match=r"shardings must be a mapping \(dict, FrozenDict\)"):
         ck.restore(tmp_path, module, shardings=NamedSharding(mesh, P()))
+    frozen = ck.restore(tmp_path, module, shardings=flax.core.freeze(shardings))  # any Mapping, FrozenDict included
+    leaves = jax.tree_util.tree_leaves
+    assert len(leaves(frozen)) == len(leaves(shardings)) == len(leaves(variables))
+    for a, b, sharding in zip(leaves(frozen), leaves(variables), leaves(shardings)):
+        _assert_bit_exact(a, b)
+        assert a.sharding == sharding
 

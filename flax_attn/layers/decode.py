@@ -81,6 +81,12 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
       ``step.jitted._cache_size()`` counts its compilations); it returns ``((out, cache),
       checks)``, ``checks`` one int32 vector (the verdicts and values of the run-time checks).
 
+    Raises:
+      TypeError: at a call, for ``cache=None``, positions that are not integers, or traced
+        arguments: the step is a compiled program of its own, called from Python; inside
+        ``jax.jit`` (or ``vmap``, ``grad``) call the layer itself with ``cache=``.
+      ValueError: a failed run-time check, as above.
+
     Example::
 
         layer = fa.Attention(fa.AttentionConfig(d_model=768, num_heads=12, position="rope"))
@@ -100,9 +106,11 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     read = _Reader(check_lag)
     if nnx_state is None:
         def step(variables, cache, x, positions, segment_ids=None) -> Any:
+            _check_call("decode_step", cache, x, positions, segment_ids)
             return read(jitted(variables, cache, x, positions, segment_ids), x)
     else:
         def step(cache, x, positions, segment_ids=None) -> Any:
+            _check_call("decode_step", cache, x, positions, segment_ids)
             return read(jitted(nnx_state(), cache, x, positions, segment_ids), x)
 
     step.jitted = jitted
@@ -142,6 +150,12 @@ def decode_loop(layer, next_input: Callable, *, donate: bool = True,
       After the run, the run-time checks of every step are read (one transfer): a failed one
       raises its ``ValueError`` naming the step; that step's ``out`` was NaN, and the rest of
       the run is not to be used.
+
+    Raises:
+      TypeError: as :func:`decode_step`'s (no cache, positions not integers, traced arguments).
+      ValueError: ``steps`` not a positive integer, more than one token per sequence, a
+        ``next_input`` whose ``x_next`` differs from ``x`` in shape or dtype, or a failed
+        run-time check (after the run, naming the step).
     """
     _check_options(compiler_options, "decode_loop")
     call, nnx_state = _cached_call(layer, "decode_loop")
@@ -170,21 +184,45 @@ def decode_loop(layer, next_input: Callable, *, donate: bool = True,
                                       f"rest of the run is not to be used)")
         return emitted, cache
 
-    def positions_of(x, positions, steps):
+    def checked(cache, x, positions, steps):
+        """The loop's arguments checked, ``steps`` as a Python int (a NumPy integer would
+        compile again: a static argument is keyed by its type as well as its value)."""
         _checks.check_positive_int("decode_loop steps", steps)
+        _check_call("decode_loop", cache, x, positions)
         if jnp.ndim(x) < 2 or jnp.shape(x)[1] != 1 or jnp.shape(positions) != jnp.shape(x)[:1] + (1,):
             raise ValueError(f"decode_loop takes one token per sequence: x (B, 1, ...) and positions (B, 1), got x "
                              f"{jnp.shape(x)} and positions {jnp.shape(positions)}")
-        return jnp.asarray(positions)
+        return cache, x, jnp.asarray(positions), int(steps)
 
     if nnx_state is None:
         def loop(variables, cache, x, positions, steps: int, key=None):
-            return finish(jitted(variables, cache, x, positions_of(x, positions, steps), key, steps))
+            cache, x, positions, steps = checked(cache, x, positions, steps)
+            return finish(jitted(variables, cache, x, positions, key, steps))
     else:
         def loop(cache, x, positions, steps: int, key=None):
-            return finish(jitted(nnx_state(), cache, x, positions_of(x, positions, steps), key, steps))
+            cache, x, positions, steps = checked(cache, x, positions, steps)
+            return finish(jitted(nnx_state(), cache, x, positions, key, steps))
     loop.jitted = jitted
     return loop
+
+
+def _check_call(who: str, cache, x, positions, segment_ids=None) -> None:
+    """A clear error for what a compiled decoding call cannot take: no cache, positions that
+    are not integers, or traced arguments (a call inside ``jax.jit``, ``vmap`` or ``grad``)."""
+    if cache is None:
+        raise TypeError(f"{who} needs the cache to write into, got cache=None: make one with "
+                        f"layer.init_cache(batch=B, max_len=S) and pass the one each call returns")
+    arrays = [("x", x), ("positions", positions), ("segment_ids", segment_ids)]
+    arrays += [("cache", leaf) for leaf in jax.tree_util.tree_leaves(cache)]
+    traced = list(dict.fromkeys(name for name, a in arrays if isinstance(a, jax.core.Tracer)))
+    if traced:
+        raise TypeError(f"{who} was called with traced {', '.join(traced)} (inside jax.jit, vmap, grad or a "
+                        f"scan?): it is a compiled program of its own that reads its run-time checks on the "
+                        f"host, so call it from Python; inside a traced function call the layer itself, "
+                        f"layer.apply(variables, x, positions, cache=cache)")
+    dtype = jnp.result_type(positions)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{who} positions must be integers, got {dtype} of shape {jnp.shape(positions)}")
 
 
 def _check_options(compiler_options, who: str) -> None:

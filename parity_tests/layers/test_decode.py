@@ -288,6 +288,32 @@ def test_decode_loop_keys_and_errors():
         loop(params, cache, x[:, 4:5], positions[:, 4:5], 4)          # steps 0 and 1 fill slots 5 and 6
 
 
+def test_decode_calls_refuse_what_they_cannot_take():
+    """No cache, positions that are not integers, traced arguments (a call inside jax.jit):
+    each a TypeError naming the function; a NumPy ``steps`` compiles once with the int."""
+    config, layer, params, x, positions = _setup({})
+    step = fa.decode_step(layer, donate=False)
+    loop = fa.decode_loop(layer, _feedback, donate=False)
+    cache = layer.init_cache(2, 12)
+    x, positions = x[:, :1], positions[:, :1]  # one token per sequence, sliced outside the traced functions
+    for who, call in (("decode_step", lambda c, x, p: step(params, c, x, p)),
+                      ("decode_loop", lambda c, x, p: loop(params, c, x, p, 2))):
+        with pytest.raises(TypeError, match=rf"{who} needs the cache to write into, got cache=None: .*init_cache"):
+            call(None, x, positions)
+        with pytest.raises(TypeError, match=rf"{who} positions must be integers, got bool of shape \(2, 1\)"):
+            call(cache, x, positions > 0)
+        with pytest.raises(TypeError, match=rf"{who} positions must be integers, got float32"):
+            call(cache, x, positions.astype(jnp.float32))
+        with pytest.raises(TypeError, match=rf"{who} was called with traced x \(inside jax.jit.*call the layer itself"):
+            jax.jit(lambda x: call(cache, x, positions))(x)
+        with pytest.raises(TypeError, match=rf"{who} was called with traced positions, cache \(inside"):
+            jax.jit(lambda c, p: call(c, x, p))(cache, positions)
+    first, _ = loop(params, cache, x, positions, 3)
+    again, _ = loop(params, cache, x, positions, np.int64(3))
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+    assert loop.jitted._cache_size() == 1
+
+
 def test_deferred_checks_are_one_packed_output():
     """A program's deferred checks leave it as one int32 vector (a step returns out, the cache's
     leaves and that vector); the message of the first failed check gets its values back exactly,
