@@ -460,6 +460,23 @@ def report(rows: list[dict], title: str = TITLE) -> str:
     return "\n".join(lines)
 
 
+def loop_table(rows: list[dict]) -> str:
+    """The Markdown table of ``--loop``'s rows: ms a token and the ratio to PyTorch eager."""
+    lines = ["| batch | contender | ms/token | vs torch |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['contender']} | {r['ms_per_token']:.3f} | {r['ratio_vs_torch']:.2f}x |" for r in rows]
+    return "\n".join(lines)
+
+
+def generation_table(rows: list[dict]) -> str:
+    """The Markdown table of ``--generation``'s rows: slots at the end, ms a step, the time spent
+    growing the cache and the ratio to PyTorch eager."""
+    lines = ["| batch | contender | slots at the end | ms/step | of which growth | vs torch |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['contender']} | {r['slots_at_end']:,} | {r['ms_per_step']:.3f} | "
+              f"{r['growth_s']:.2f} s | {r['ratio_vs_torch']:.2f}x |" for r in rows]
+    return "\n".join(lines)
+
+
 def timing(rows: list[dict]) -> str:
     """How the rows' steps were timed, in words."""
     mib = {r.get("evicted_mib", 0) for r in rows}
@@ -499,9 +516,7 @@ def main(argv=None) -> None:
         rows = [row for b in BATCHES for row in loop(b, 1024, 64, args.repeats)]
         print(f"Runs of 64 one-token steps after 1,024 tokens, caches warm, {args.repeats} rounds in turns; "
               f"CPU {machine()['cpu']}\n")
-        print("| batch | contender | ms/token | vs torch |\n| --- | --- | --- | --- |")
-        for r in rows:
-            print(f"| {r['batch']} | {r['contender']} | {r['ms_per_token']:.3f} | {r['ratio_vs_torch']:.2f}x |")
+        print(loop_table(rows))
         out = args.out or Path(__file__).parent / "results" / f"decode-loop-{cpu.slug()}.json"
         out.write_text(json.dumps({"machine": machine(), "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
         print(f"wrote {out}")
@@ -518,10 +533,7 @@ def main(argv=None) -> None:
         rows = [row for b in BATCHES for row in generation(b, 1024, 1024, 8192)]
         print(f"Generation of 1,024 tokens after 1,024, each step cold; CPU {machine()['cpu']}"
               + (f"; JAX's compilation cache in {args.compilation_cache}" if suffix else "") + "\n")
-        print("| batch | contender | slots at the end | ms/step | of which growth | vs torch |\n| --- | --- | --- | --- | --- | --- |")
-        for r in rows:
-            print(f"| {r['batch']} | {r['contender']} | {r['slots_at_end']:,} | {r['ms_per_step']:.3f} | "
-                  f"{r['growth_s']:.2f} s | {r['ratio_vs_torch']:.2f}x |")
+        print(generation_table(rows))
         out = args.out or Path(__file__).parent / "results" / f"decode-generation-{cpu.slug()}{suffix}.json"
         out.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
         print(f"wrote {out}")

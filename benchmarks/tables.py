@@ -9,8 +9,8 @@ forward+backward, or the memory XLA's estimate says a skipped point needs); the 
 against PyTorch eager (one row per cell: both cache layouts, both PyTorch rows, the floor and
 the ratio) and the absorbed latent attention's step; the cached generation's line. Nothing is
 measured here: the tables are the file's figures, so that a README table and its result file
-cannot disagree. Files of ``benchmarks.decode`` and ``benchmarks.decode_mla`` give their decoding
-table.
+cannot disagree. Files of ``benchmarks.decode`` (its steps, ``--loop``, ``--generation``) and
+``benchmarks.decode_mla`` give their table.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
-from benchmarks.decode import timing
+from benchmarks.decode import generation_table, loop_table, timing
 from benchmarks.run import PEER, layer_flops
 
 
@@ -110,8 +110,15 @@ def tables(results: dict) -> str:
     other file is a ``ValueError`` saying which files are read."""
     if "rows" in results and isinstance(results.get("machine"), dict) and "cpu" in results["machine"]:
         m = results["machine"]
+        head = f"{m['cpu']}, {m['cores']} cores, load {m['load_1_5_15']}"
+        rows = results["rows"]
+        if rows and "slots_at_end" in rows[0]:  # --generation
+            return f"{head}; generations of {rows[0]['tokens']:,} tokens after {rows[0]['prefix']:,}:\n\n" + generation_table(rows)
+        if rows and "floor_bytes_per_step" not in rows[0]:  # --loop
+            return (f"{head}; runs of {rows[0]['tokens']} steps after {rows[0]['prefix']:,} tokens, "
+                    f"{results['repeats']} rounds:\n\n" + loop_table(rows))
         rounds = results.get("timing") or f"{results['repeats']} rounds of {results['steps_per_round']} steps"
-        return f"{m['cpu']}, {m['cores']} cores, load {m['load_1_5_15']}; {rounds}:\n\n" + decode_table(results["rows"])
+        return f"{head}; {rounds}:\n\n" + decode_table(rows)
     if "gpt2_layer_config" not in results:
         raise ValueError("not a result file of benchmarks.run, benchmarks.decode or benchmarks.decode_mla "
                          f"(its keys: {sorted(results)}); benchmarks.parallel and benchmarks.decode_gpu print their "

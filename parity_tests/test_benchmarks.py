@@ -101,6 +101,32 @@ def test_tables_print_the_result_files_figures():
         tables.tables(json.loads((results / "parallel-amd-epyc-family26-model2.json").read_text()))
 
 
+def test_tables_read_every_decode_result_file():
+    """Every file of ``benchmarks.decode`` (steps, ``--loop``, ``--generation``) and
+    ``benchmarks.decode_mla`` renders: one table line per row (steps: per cell), each ratio
+    the row's own."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import tables
+
+    files = [path for path in sorted((Path(__file__).resolve().parent.parent / "benchmarks" / "results").glob("decode*.json"))
+             if not path.name.startswith("decode-gpu")]  # benchmarks.decode_gpu prints its own table
+    kinds = set()
+    for path in files:
+        results = json.loads(path.read_text())
+        text = tables.tables(results)
+        body = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| batch", "| ---"))]
+        rows = results["rows"]
+        if "floor_bytes_per_step" in rows[0]:
+            kinds.add("steps")
+            continue  # decode_table: one line per cell, checked in test_tables_print_the_result_files_figures
+        kinds.add("generation" if "slots_at_end" in rows[0] else "loop")
+        assert len(body) == len(rows), path.name
+        assert [line.rsplit("|", 2)[1].strip() for line in body] == [f"{r['ratio_vs_torch']:.2f}x" for r in rows]
+    assert kinds == {"steps", "loop", "generation"}
+
+
 @pytest.mark.parametrize("cold", [True, False])
 def test_decode_steps_are_timed_cold_by_default(monkeypatch, cold):
     """``benchmarks.decode.timed_rows``: cold, every timed call is one step, preceded by one
