@@ -141,8 +141,12 @@ def cpu_compiler_options() -> dict:
     backward 1.164x / 1.128x / 1.132x PyTorch's time with XLA's defaults, 1.090x / 1.030x /
     1.055x with these options; the forward alone 0.889x / 1.006x / 0.899x against 1.030x /
     1.100x / 0.914x (no better). On the earlier AMD EPYC kind YNNPACK off made the layer no
-    faster (1.09x / 1.19x against 1.09x / 1.14x with the defaults); CPUs with AVX-512 keep
-    XLA's defaults (not measured there).
+    faster (1.09x / 1.19x against 1.09x / 1.14x with the defaults). CPUs with AVX-512 keep
+    XLA's defaults: on the AMD EPYC of family 25, model 17 (AVX-512), with YNNPACK off the
+    layer's forward took 1.08x / 0.98x PyTorch's time against 0.96x / 0.87x with the defaults
+    and forward+backward 1.03x / 0.98x against 1.04x / 1.00x (two runs in turns), although
+    there the projections' 8,192 x 768 x 768 matmul alone ran at 190 GFLOP/s on XLA's Eigen
+    kernel against 164 on YNNPACK's (``benchmarks/HISTORY.md``).
     """
     import jax
 
