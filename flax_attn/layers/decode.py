@@ -220,8 +220,9 @@ def _check_call(who: str, cache, x, positions, segment_ids=None) -> None:
                         f"scan?): it is a compiled program of its own that reads its run-time checks on the "
                         f"host, so call it from Python; inside a traced function call the layer itself, "
                         f"layer.apply(variables, x, positions, cache=cache)")
-    dtype = jnp.result_type(positions)
-    if not jnp.issubdtype(dtype, jnp.integer):
+    dtype = getattr(positions, "dtype", None)  # an array's, without jnp.result_type's cost on every step
+    dtype = np.asarray(positions).dtype if dtype is None else np.dtype(dtype)
+    if not np.issubdtype(dtype, np.integer):
         raise TypeError(f"{who} positions must be integers, got {dtype} of shape {jnp.shape(positions)}")
 
 
