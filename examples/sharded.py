@@ -1,4 +1,5 @@
-"""Past one device: a layer sharded over a 2 x 4 mesh, and ring attention over 8 devices.
+"""Past one device: a layer and a model of one's own sharded over a 2 x 4 mesh, and ring
+attention over 8 devices.
 
     python examples/sharded.py
 
@@ -16,6 +17,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -40,6 +42,31 @@ y = jax.jit(layer.apply)(sharded, *fp.shard_batch((x, positions), mesh))
 print("q_proj kernel", sharded["params"]["q_proj"]["kernel"].shape, "-> one device holds",
       sharded["params"]["q_proj"]["kernel"].addressable_shards[0].data.shape)
 checks = {"sharded layer": bool(jnp.allclose(y, layer.apply(variables, x, positions), atol=1e-5))}
+
+# 1b. A model of one's own: partition_specs finds the flax_attn layers inside it by tracing one
+# call (nothing is computed) and splits them as above; the model's own parameters stay whole.
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, positions):
+        x = x + fa.Attention(layer.config, name="attn")(nn.RMSNorm()(x), positions)
+        return x + nn.Dense(D)(nn.gelu(nn.Dense(4 * D)(nn.RMSNorm()(x)))), None
+
+
+class Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, x, positions):  # four blocks stacked by nn.scan: parameters (4, ...)
+        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4,
+                        in_axes=nn.broadcast)
+        return stack(name="blocks")(x, positions)[0]
+
+
+model = Decoder()
+model_vars = model.init(jax.random.key(1), x, positions)
+model_specs = fp.partition_specs(model, model_vars, mesh=mesh, inputs=(x, positions))
+print("blocks/attn/q_proj/kernel", model_specs["params"]["blocks"]["attn"]["q_proj"]["kernel"],
+      "blocks/Dense_0/kernel", model_specs["params"]["blocks"]["Dense_0"]["kernel"])
+y_model = jax.jit(model.apply)(fp.shard_params(model_vars, model_specs, mesh), *fp.shard_batch((x, positions), mesh))
+checks["sharded model"] = bool(jnp.allclose(y_model, model.apply(model_vars, x, positions), atol=1e-5))
 
 # 2. Context parallel: the sequence over 8 devices, zig-zag balanced for the causal mask.
 ring = fp.make_mesh((8,), ("seq",))

@@ -191,6 +191,36 @@ def _measure_cache(layout):
             "cache_positions_spec": str(final.positions.sharding.spec)}
 
 
+def _measure_decoder():
+    """A user's decoder (:func:`_decoder`) split by partition_specs(model, ..., inputs=) over a
+    (2, 2, 2) mesh, heads over ('x', 'y'): outputs and gradients against one device."""
+    import jax
+    import jax.numpy as jnp
+    from flax import traverse_util
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+    from torch_ref.compare import max_rel_error
+
+    mesh = fp.make_mesh((2, 2, 2), ("data", "x", "y"))
+    config = fa.AttentionConfig(d_model=64, num_heads=8, num_kv_heads=4, position="rope", qkv_bias=True)
+    model = _decoder(config)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 16, 64))
+    positions = np.broadcast_to(np.arange(16), (4, 16))
+    variables = model.init(jax.random.key(0), x, positions)
+    specs = fp.partition_specs(model, variables, model_axis=("x", "y"), mesh=mesh, inputs=(x, positions))
+    cot = rng.standard_normal(x.shape)
+    run = jax.jit(jax.value_and_grad(lambda v, x: jnp.sum(jnp.sin(model.apply(v, x, positions)) * cot), (0, 1)))
+    out, grads = run(fp.shard_params(variables, specs, mesh), fp.shard_batch(x, mesh))
+    ref, ref_grads = run(variables, x)
+    split = {"/".join(k): [list(a.shape), list(a.addressable_shards[0].data.shape)]
+             for k, a in traverse_util.flatten_dict(fp.shard_params(variables, specs, mesh)["params"]).items()}
+    return {"out": max_rel_error(out, ref), "params_grads": _grad_error(grads[0], ref_grads[0], TOL["float64"]),
+            "inputs_grads": _grad_error(grads[1], ref_grads[1], TOL["float64"]),
+            "split": {k: v for k, v in split.items() if v[0] != v[1]}}
+
+
 def _measure_errors():
     import jax
 
@@ -253,7 +283,7 @@ def child():
     assert jax.device_count() == 8, jax.devices()
     return {"modules": {f"{m}|{d}": _measure_module(m, d) for m, d in RUNS},
             "cache": {layout: _measure_cache(layout) for layout in CACHE_SPLIT},
-            "errors": _measure_errors(), "checkpoint": _measure_checkpoint()}
+            "errors": _measure_errors(), "checkpoint": _measure_checkpoint(), "decoder": _measure_decoder()}
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -341,6 +371,21 @@ def test_sharded_kv_cache_decodes_the_same_tokens(measured, layout):
     assert r["cache_positions_spec"].replace("PartitionSpec", "P") == "P('data', None)"
 
 
+def test_a_user_decoder_split_over_two_model_axes_matches_one_device(measured):
+    r = measured["decoder"]
+    errors = {k: r[k] for k in ("out", "params_grads", "inputs_grads")}
+    assert all(v <= TOL["float64"] for v in errors.values()), errors
+    # 8 heads over x * y = 4 devices; the 4 key/value heads too; nn.scan's layer axis whole
+    heads = {"q_proj/kernel": [[64, 64], [64, 16]], "q_proj/bias": [[64], [16]], "k_proj/kernel": [[64, 32], [64, 8]],
+             "k_proj/bias": [[32], [8]], "v_proj/kernel": [[64, 32], [64, 8]], "v_proj/bias": [[32], [8]],
+             "o_proj/kernel": [[64, 64], [16, 64]]}
+    expected = {f"first/attn/{k}": v for k, v in heads.items()}
+    expected |= {f"layers/attn/{k}": [[3] + a, [3] + b] for k, (a, b) in heads.items()}
+    expected |= {f"chapter/{w}/kernel": [[64, 64], [64, 16]] for w in ("W_query", "W_key", "W_value")}
+    expected["chapter/out_proj/kernel"] = [[64, 64], [16, 64]]
+    assert r["split"] == expected
+
+
 def test_errors_name_the_parameter_and_shapes(measured):
     m = measured["errors"]
     assert re.search(r"\['params'\]\['W_(query|key|value)'\]\['kernel'\] of shape \(32, 30\): dim 1 \(30\) is not "
@@ -372,7 +417,7 @@ def test_partition_specs_refuses_what_it_does_not_know():
     wrong = {"params": {**variables["params"], "W_extra": variables["params"]["W_query"]}}
     with pytest.raises(ValueError, match=r"no entries \['W_extra'\]"):
         fp.partition_specs(layer, wrong)
-    with pytest.raises(TypeError, match="knows flax_attn's modules"):
+    with pytest.raises(TypeError, match=r"takes a flax_attn module or a Flax model \(Linen or NNX\), got object"):
         fp.partition_specs(object(), variables)
     explicit = jax.sharding.AbstractMesh((2, 4), ("data", "model"), (jax.sharding.AxisType.Explicit,) * 2)
     with pytest.raises(ValueError, match=r"mesh axes \['model'\] are Explicit"):
@@ -398,6 +443,171 @@ def test_partition_specs_of_nnx_twin_and_unwrapped_params():
     assert fp.partition_specs(linen, variables["params"]) == specs["params"]
     assert specs["params"]["k_proj"]["kernel"] == P(None, "model")
     assert specs["params"]["o_proj"]["kernel"] == P("model", None)
+
+
+def _decoder(config):
+    """A user's Linen decoder: a block, the chapter's multi-head attention, three blocks stacked by
+    nn.scan; each block a flax_attn Attention, a LayerNorm and a Dense of its own."""
+    import flax.linen as nn
+
+    import flax_attn as fa
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, positions):
+            x = x + fa.Attention(config, param_dtype=x.dtype, name="attn")(nn.LayerNorm(param_dtype=x.dtype)(x),
+                                                                            positions)
+            return x + nn.Dense(config.d_model, param_dtype=x.dtype)(x), None
+
+    class Decoder(nn.Module):
+        @nn.compact
+        def __call__(self, x, positions, deterministic=True):
+            x = Block(name="first")(x, positions)[0]
+            x = x + fa.MultiHeadAttention(config.d_model, config.d_model, x.shape[1], 0.0, config.num_heads,
+                                          param_dtype=x.dtype, name="chapter")(x, deterministic=deterministic)
+            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3,
+                            in_axes=nn.broadcast)
+            return stack(name="layers")(x, positions)[0]
+
+    return Decoder()
+
+
+def test_partition_specs_of_a_linen_model_built_of_flax_attn_modules():
+    """Each flax_attn module inside a user's model gets the specs it gets alone (a None in front
+    for layers stacked by nn.scan); the model's own parameters are replicated."""
+    import jax
+    from flax import traverse_util
+    from jax.sharding import PartitionSpec as P
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    config = fa.AttentionConfig(d_model=32, num_heads=4, num_kv_heads=2, position="rope", qkv_bias=True)
+    model = _decoder(config)
+    x, positions = np.zeros((2, 8, 32), np.float32), np.broadcast_to(np.arange(8), (2, 8))
+    variables = jax.eval_shape(model.init, jax.random.key(0), x, positions)
+    specs = fp.partition_specs(model, variables, inputs=(x, positions), input_kwargs={"deterministic": True})
+    attention = fa.Attention(config)
+    alone = fp.partition_specs(attention, jax.eval_shape(attention.init, jax.random.key(0), x, positions))["params"]
+    chapter = fa.MultiHeadAttention(32, 32, 8, 0.0, 4)
+    chapter_alone = fp.partition_specs(chapter, jax.eval_shape(
+        lambda: chapter.init(jax.random.key(0), x, deterministic=True)))["params"]
+    params = specs["params"]
+    assert params["first"]["attn"] == alone and params["chapter"] == chapter_alone
+    stacked = jax.tree_util.tree_map(lambda s: P(None, *s) if len(s) else s, alone,
+                                     is_leaf=lambda s: isinstance(s, P))
+    assert params["layers"]["attn"] == stacked
+    assert params["layers"]["attn"]["q_proj"]["kernel"] == P(None, None, "model")
+    own = {k: v for k, v in traverse_util.flatten_dict(params).items() if "attn" not in k and "chapter" not in k}
+    assert own and set(own.values()) == {P()}, own                       # LayerNorm, Dense: replicated
+    assert jax.tree_util.tree_structure(specs, is_leaf=lambda s: isinstance(s, P)) == \
+        jax.tree_util.tree_structure(variables)
+
+    with pytest.raises(TypeError, match=r"Decoder is not one: to find the flax_attn modules inside it, pass inputs="):
+        fp.partition_specs(model, variables)
+    with pytest.raises(ValueError, match=r"traced Decoder.apply\(params, \*inputs, \*\*input_kwargs\).*failed"):
+        fp.partition_specs(model, variables, inputs=(x,))                 # positions missing
+    import flax.linen as nn
+
+    with pytest.raises(ValueError, match="Dense runs no flax_attn module"):
+        dense = nn.Dense(4)
+        fp.partition_specs(dense, jax.eval_shape(dense.init, jax.random.key(0), x), inputs=(x,))
+
+
+def test_partition_specs_of_a_model_with_flags_and_other_collections():
+    """A Python flag among the inputs stays a Python value while the call is traced (an `if` on
+    it works); arrays may be ShapeDtypeStructs; other collections (batch statistics) come back
+    replicated, beside the params."""
+    import flax.linen as nn
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x, positions, deterministic):
+            if not deterministic:
+                x = nn.Dropout(0.1)(x, deterministic=False)
+            x = nn.BatchNorm(use_running_average=True)(x)
+            return fa.Attention(fa.AttentionConfig(d_model=32, num_heads=4))(x, positions)
+
+    model = Model()
+    x, positions = np.zeros((2, 4, 32), np.float32), np.zeros((2, 4), np.int32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, positions, True))
+    for inputs, kwargs in (((jax.ShapeDtypeStruct(x.shape, x.dtype), positions), {"deterministic": True}),
+                           ((x, positions, False), {})):
+        specs = fp.partition_specs(model, variables, inputs=inputs, input_kwargs=kwargs)
+        assert specs["batch_stats"] == {"BatchNorm_0": {"mean": P(), "var": P()}}
+        assert specs["params"]["Attention_0"]["q_proj"]["kernel"] == P(None, "model")
+        assert specs["params"]["BatchNorm_0"] == {"bias": P(), "scale": P()}
+
+
+def test_partition_specs_of_an_nnx_model_built_of_flax_attn_modules():
+    import jax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    config = fa.AttentionConfig(d_model=32, num_heads=4, num_kv_heads=2, qkv_bias=True)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = fa.nnx.Attention(config, rngs=rngs)
+            self.mlp = nnx.Linear(32, 32, rngs=rngs)
+
+    class Decoder(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(10, 32, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.stacked = nnx.vmap(lambda key: Block(nnx.Rngs(key)))(jax.random.split(jax.random.key(1), 3))
+
+    model = Decoder(nnx.Rngs(0))
+    specs = fp.partition_specs(model, fa.nnx.to_linen(model))["params"]
+    alone = fp.partition_specs(model.blocks[0].attn, fa.nnx.to_linen(model.blocks[0].attn))["params"]
+    assert specs["blocks"][0]["attn"] == specs["blocks"][1]["attn"] == alone
+    assert specs["stacked"]["attn"]["k_proj"] == {"kernel": P(None, None, "model"), "bias": P(None, "model")}
+    assert specs["stacked"]["attn"]["o_proj"]["kernel"] == P(None, "model", None)
+    assert specs["embed"]["embedding"] == specs["blocks"][0]["mlp"]["kernel"] == P()
+    with pytest.raises(ValueError, match="runs no flax_attn module"):
+        fp.partition_specs(model.blocks[0].mlp, fa.nnx.to_linen(model.blocks[0].mlp))
+
+
+def test_axes_may_be_tuples_of_mesh_axes():
+    """model_axis=('x', 'y') splits heads over both axes (4 devices); a tuple data_axis too."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import flax_attn as fa
+    from flax_attn import parallel as fp
+
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), ("data", "x", "y"), (jax.sharding.AxisType.Auto,) * 3)
+    x, positions = np.zeros((1, 4, 32)), np.zeros((1, 4), int)
+    for kv_heads, kv_spec in ((2, P()), (4, P(None, ("x", "y")))):
+        config = fa.AttentionConfig(d_model=32, num_heads=8, num_kv_heads=kv_heads)
+        layer = fa.Attention(config)
+        variables = jax.eval_shape(layer.init, jax.random.key(0), x, positions)
+        specs = fp.partition_specs(layer, variables, model_axis=("x", "y"), mesh=mesh)["params"]
+        assert specs["q_proj"]["kernel"] == P(None, ("x", "y")) and specs["k_proj"]["kernel"] == kv_spec
+        assert specs["o_proj"]["kernel"] == P(("x", "y"), None)
+        cache = config.init_cache(batch=2, max_len=8, layout="BSKH")
+        heads = None if kv_heads % 4 else ("x", "y")
+        assert fp.cache_partition_specs(cache, model_axis=("x", "y"), mesh=mesh).key == P("data", None, heads, None)
+    fsdp = fp.partition_specs(layer, variables, data_axis=("data",), model_axis=("x", "y"), mesh=mesh, fsdp=True)
+    assert fsdp["params"]["q_proj"]["kernel"] == P(("data",), ("x", "y"))
+    with pytest.raises(ValueError, match=r"data_axis \('data', 'x'\) and model_axis \('x', 'y'\) share mesh axes \['x'\]"):
+        fp.partition_specs(layer, variables, data_axis=("data", "x"), model_axis=("x", "y"))
+    with pytest.raises(ValueError, match="has N=6 query heads, not divisible by the 4 devices of mesh axis \\('x', 'y'\\)"):
+        six = fa.Attention(fa.AttentionConfig(d_model=24, num_heads=6))
+        fp.partition_specs(six, jax.eval_shape(six.init, jax.random.key(0), np.zeros((1, 4, 24)), positions),
+                           model_axis=("x", "y"), mesh=mesh)
+    with pytest.raises(ValueError, match=r"mesh has axes \('data', 'x', 'y'\), not 'z'"):
+        fp.partition_specs(layer, variables, model_axis=("x", "z"), mesh=mesh)
+    with pytest.raises(TypeError, match="model_axis must be a mesh axis name or a tuple of them, got 3"):
+        fp.partition_specs(layer, variables, model_axis=3)
 
 
 def test_cache_specs():
