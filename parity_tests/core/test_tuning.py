@@ -2,6 +2,7 @@
 instead of being faulted in anew at every call (Linux with glibc); a call after JAX has started
 is refused. And the environment the README gives instead (glibc's malloc asking for transparent
 huge pages): the same program faults far fewer pages in."""
+import functools
 import os
 import platform
 import subprocess
@@ -34,6 +35,7 @@ print(applied, faults, temp, late, sep="\n")
 """
 
 
+@functools.lru_cache(maxsize=None)  # the default child serves both tests where they share a process
 def _child(mode, **environment):
     # XLA's default compilation, as users run it (the suite's faster-compiling flags change which
     # buffers the program allocates: at optimisation level 0 its output is mapped anew per call)
