@@ -194,10 +194,9 @@ def _flax_attn_modules(module, variables, inputs, input_kwargs):
     if isinstance(module, nnx.Module):
         from flax_attn.nnx import linen_twin
 
-        found = [(tuple(path), linen_twin(node)) for path, node in nnx.iter_graph(module)
+        found = [(tuple(path), linen_twin(node), None) for path, node in nnx.iter_graph(module)
                  if isinstance(node, nnx.Module) and isinstance(getattr(type(node), "linen_class", None), type)
                  and issubclass(type(node).linen_class, (*_RULES, *_REPLICATED))]
-        found = [(path, sub, None) for path, sub in found]
     elif isinstance(module, nn.Module):
         if inputs is None:
             known = ", ".join(c.__name__ for c in (*_RULES, *_REPLICATED))
