@@ -83,6 +83,7 @@ def machine() -> dict:
         "dtype": "bfloat16" if gpu else "float32",
         "date": time.strftime("%Y-%m-%d"),
         "load_average_at_start": _load(),
+        "free_page_reporting_bytes": free_page_reporting(),
     }
     info["name"] = (f"gpu-{info['device'].replace(' ', '-').lower()}" if gpu else f"cpu-{cpu.slug()}") + \
         f"-{info['cpu_count']}cores"
@@ -529,6 +530,10 @@ def print_report(results: dict) -> None:
           f"{m['dtype']}; host memory: {results.get('host_memory', 'default allocator')}; "
           f"matmul peak measured {_peaks_text(results)}"
           + (f" (datasheet {m['datasheet_bf16_tflops']:.0f} TFLOP/s)" if m.get("datasheet_bf16_tflops") else ""))
+    if m.get("free_page_reporting_bytes") and HUGE_PAGES in results.get("host_memory", ""):
+        print(f"This virtual machine hands free blocks of {m['free_page_reporting_bytes'] / 2**20:g} MiB and up back to "
+              f"its host: with huge pages, the memory a contender frees while the others take their turns is faulted "
+              f"in again from the host at its next call (free_page_reporting)")
     c = results["gpt2_layer_config"]
     if "gpt2_layer" in results:
         print(f"\nGPT-2-small causal multi-head attention layer (batch {c['batch']}, {c['context']} tokens, "
@@ -585,6 +590,38 @@ def _huge_pages() -> bool:
     return HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "").split(":")
 
 
+VIRTIO_BALLOON = 0x0005  # virtio device id of a memory balloon
+BALLOON_F_REPORTING = 5  # its feature bit: free page reporting
+
+
+def free_page_reporting(sysfs: Path = Path("/sys")) -> Optional[int]:
+    """The smallest free block, in bytes, that this virtual machine hands back to its host
+    (a virtio balloon with free page reporting: Linux reports free blocks of
+    ``page_reporting_order`` and up, and the host takes their memory until they are touched
+    again); None where no balloon reports (bare metal, other hypervisors, not Linux).
+
+    It matters for ``--huge-pages``: memory that glibc unmaps in 2 MiB pages comes back to the
+    kernel as blocks that size, is reported within seconds, and costs the next call a fault
+    from the host per page. On the AMD EPYC of family 25, model 17 (a Firecracker VM) a
+    GPT-2-small layer's forward+backward took 0.02-0.05 s of kernel time back to back and
+    0.49-0.55 s after 3 s idle (4 KiB pages: 0.12-0.14 s either way)."""
+    for device in sorted((sysfs / "bus/virtio/devices").glob("*")):
+        try:
+            if int((device / "device").read_text(), 16) != VIRTIO_BALLOON:
+                continue
+            features = (device / "features").read_text().strip()  # one '0'/'1' per bit, bit 0 first
+        except (OSError, ValueError):
+            continue
+        if features[BALLOON_F_REPORTING:BALLOON_F_REPORTING + 1] != "1":
+            continue
+        try:
+            order = int((sysfs / "module/page_reporting/parameters/page_reporting_order").read_text())
+        except (OSError, ValueError):
+            order = 9  # Linux's default, the x86 pageblock (2 MiB)
+        return os.sysconf("SC_PAGE_SIZE") << order
+    return None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: a check that it all runs")
@@ -606,7 +643,8 @@ def main(argv=None) -> None:
                         help=f"run again with GLIBC_TUNABLES={HUGE_PAGES} set (glibc >= 2.35, Linux with transparent huge pages "
                              "in 'madvise' or 'always' mode): glibc asks for 2 MiB pages for the memory it maps, so "
                              "a call faults its fresh buffers in 2 MiB pieces (the layer's forward+backward: 1/60 "
-                             "of the page faults); for every contender and for the sweep's processes")
+                             "of the page faults); for every contender and for the sweep's processes. On a VM that "
+                             "hands free memory back to its host (the report says so) it can cost more than it saves")
     parser.add_argument("--point", nargs=4, metavar=("IMPL", "T", "MODE", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     lengths = [256] if args.smoke else [t for t in SWEEP_LENGTHS if t <= args.max_length]

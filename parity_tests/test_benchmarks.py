@@ -186,3 +186,41 @@ def test_compilation_cache_option_goes_with_generation(capsys):
     with pytest.raises(SystemExit):
         decode.main(["--compilation-cache", "/nonexistent"])
     assert "--compilation-cache goes with --generation" in capsys.readouterr().err
+
+
+def _virtio(root, name, device, features):
+    d = root / "bus/virtio/devices" / name
+    d.mkdir(parents=True)
+    (d / "device").write_text(device + "\n")
+    (d / "features").write_text(features + "\n")
+
+
+def test_free_page_reporting_is_read_from_the_balloons_feature_bit(tmp_path, capsys):
+    """A virtio balloon (device 0x0005) with feature bit 5 hands free blocks of
+    ``page_reporting_order`` back to the host: the block size is reported (Linux's default order
+    9 where the module's parameter is not there); other devices with that bit, a balloon without
+    it, unreadable entries and a machine without virtio give None. The report names it for runs
+    with huge pages only."""
+    import os
+
+    from benchmarks import run
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert run.free_page_reporting(tmp_path) is None                       # no virtio at all
+    _virtio(tmp_path, "virtio0", "0x0002", "0" * 5 + "1" + "0" * 58)       # a block device: bit 5 is not reporting
+    _virtio(tmp_path, "virtio1", "0x0005", "0110000" + "0" * 57)          # a balloon: statistics, deflate on OOM
+    _virtio(tmp_path, "virtio2", "not hex", "1" * 64)
+    assert run.free_page_reporting(tmp_path) is None
+    _virtio(tmp_path, "virtio3", "0x0005", "011001" + "0" * 58)           # bit 5: free page reporting
+    assert run.free_page_reporting(tmp_path) == page << 9
+    params = tmp_path / "module/page_reporting/parameters"
+    params.mkdir(parents=True)
+    (params / "page_reporting_order").write_text("10\n")
+    assert run.free_page_reporting(tmp_path) == page << 10
+
+    results = {"machine": {"device": "cpu", "cpu_count": 2, "memory_gib": 23.5, "jax": "x", "torch": "y",
+                           "dtype": "float32", "free_page_reporting_bytes": 2 << 20},
+               "matmul_peak_tflops": 0.2, "gpt2_layer_config": {}}
+    for host_memory, named in (("default allocator", False), (f"GLIBC_TUNABLES={run.HUGE_PAGES}", True)):
+        run.print_report({**results, "host_memory": host_memory})
+        assert ("hands free blocks of 2 MiB and up back to its host" in capsys.readouterr().out) is named
