@@ -140,7 +140,7 @@ def _layer(cfg, T=8, B=1, seed=0):
 
 def _jacobian(layer, params, x, positions, **kw):
     """d out[0, t, :] / d x[0, s, :], summed over features: (T, S) of max |entries|."""
-    jac = jax.jacrev(lambda a: layer.apply(params, a, positions, **kw))(x)  # (1, T, D, 1, T, D)
+    jac = jax.jit(jax.jacrev(lambda a: layer.apply(params, a, positions, **kw)))(x)  # (1, T, D, 1, T, D)
     return np.abs(np.asarray(jac[0, :, :, 0])).max(axis=(1, 3))
 
 

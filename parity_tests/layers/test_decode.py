@@ -68,7 +68,8 @@ def test_blocks_layout_decodes_like_the_full_pass(cfg):
     the default layout's; the fill passes half the slots, so both the blocks visited one by one
     and the one pass over all of them run; a rolling ring and ``truncate`` work the same way."""
     config, layer, params, x, positions = _setup(cfg)
-    full = layer.apply(params, x, positions)
+    apply = jax.jit(layer.apply)  # one program per shape: this test is about the cache, not eager dispatch
+    full = apply(params, x, positions)
     H = D // N
     blocks, bksh = layer.init_cache(2, 16, layout="blocks", block=4), layer.init_cache(2, 16)
     assert blocks.key.shape == (4, 2 * config.kv_heads, 4, H) and blocks.max_len == 16
@@ -76,21 +77,21 @@ def test_blocks_layout_decodes_like_the_full_pass(cfg):
     for name, cache in (("blocks", blocks), ("BKSH", bksh)):
         pieces = []
         for a, b in ((0, 4), (4, 7), (7, 8), (8, 9), (9, 10)):
-            out, cache = layer.apply(params, x[:, a:b], positions[:, a:b], cache=cache)
+            out, cache = apply(params, x[:, a:b], positions[:, a:b], cache=cache)
             pieces.append(out)
         outs[name] = cache
         assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, f"{name} cache decode vs full pass")
     np.testing.assert_array_equal(outs["blocks"].keys(), outs["BKSH"].keys())
     np.testing.assert_array_equal(outs["blocks"].values(), outs["BKSH"].values())
     # derivatives of a step over either cache agree (a fill past half: the one pass over all blocks)
-    grads = {name: jax.grad(lambda p, xs, c=c: jnp.sum(layer.apply(p, xs, positions[:, 9:], cache=c)[0] ** 2),
-                            argnums=(0, 1))(params, x[:, 9:])
+    grads = {name: jax.jit(jax.grad(lambda p, xs, c: jnp.sum(layer.apply(p, xs, positions[:, 9:], cache=c)[0] ** 2),
+                                    argnums=(0, 1)))(params, x[:, 9:], c)
              for name, c in (("blocks", outs["blocks"].truncate(9)), ("BKSH", outs["BKSH"].truncate(9)))}
     for got, want in zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(grads["BKSH"])):
         assert_close(got, want, np.float32, "gradient of a step over a blocks cache")
     rolled = outs["blocks"].truncate(5)
     np.testing.assert_array_equal(rolled.keys(), outs["BKSH"].truncate(5).keys())
-    out, _ = layer.apply(params, x[:, 5:6], positions[:, 5:6], cache=rolled)
+    out, _ = apply(params, x[:, 5:6], positions[:, 5:6], cache=rolled)
     assert_close(out, full[:, 5:6], np.float32, "a step after truncate(5)")
     twin = fa.nnx.Attention(config, rngs=nnx.Rngs(0))
     nnx.update(twin, nnx.State(params["params"]))
@@ -102,7 +103,7 @@ def test_blocks_layout_decodes_like_the_full_pass(cfg):
         ring = layer.init_cache(2, 4, rolling=True, layout="blocks", block=2)
         pieces = []
         for a, b in ((0, 4), (4, 5), (5, 7), (7, 8), (8, 9), (9, 10)):
-            out, ring = layer.apply(params, x[:, a:b], positions[:, a:b], cache=ring)
+            out, ring = apply(params, x[:, a:b], positions[:, a:b], cache=ring)
             pieces.append(out)
         assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, "rolling blocks decode vs full pass")
 
