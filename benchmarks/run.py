@@ -602,9 +602,7 @@ def free_page_reporting(sysfs: Path = Path("/sys")) -> Optional[int]:
 
     It matters for ``--huge-pages``: memory that glibc unmaps in 2 MiB pages comes back to the
     kernel as blocks that size, is reported within seconds, and costs the next call a fault
-    from the host per page. On the AMD EPYC of family 25, model 17 (a Firecracker VM) a
-    GPT-2-small layer's forward+backward took 0.02-0.05 s of kernel time back to back and
-    0.49-0.55 s after 3 s idle (4 KiB pages: 0.12-0.14 s either way)."""
+    from the host per page (measured: the README's Host memory section)."""
     for device in sorted((sysfs / "bus/virtio/devices").glob("*")):
         try:
             if int((device / "device").read_text(), 16) != VIRTIO_BALLOON:
