@@ -18,7 +18,9 @@ docstring); :func:`blockwise_forward_tiles` the larger tile of a call that is no
 differentiated (1,024 x 1,024 there). Where the cache size cannot be read (not Linux, or no
 sysfs), 1 MiB is assumed. :func:`has_avx512` reads the CPU's instruction-set flags
 (``/proc/cpuinfo``), on which one choice of matmul form depends
-(:func:`flax_attn.core.numerics.weighted_values`). :func:`compiled_with` declares, while a
+(:func:`flax_attn.core.numerics.weighted_values`); :func:`projections_as_convolutions` its
+vendor and family, on which the form of the layers' large projections depends
+(:func:`flax_attn.layers.common.dense`). :func:`compiled_with` declares, while a
 function is traced, the XLA compile options its program will get (:func:`flax_attn.decode_step`
 does), for the forms that are fast only under them (:func:`ynnpack_fusions_off`).
 
@@ -70,13 +72,18 @@ def l2_cache_bytes() -> int:
     return cache_bytes().get(2, DEFAULT_L2_BYTES)
 
 
-def _parse_flags(cpuinfo: str) -> frozenset:
-    """The first ``flags`` line of a ``/proc/cpuinfo`` text, as a set of words."""
+def _cpu_field(cpuinfo: str, field: str) -> Optional[str]:
+    """The first value of ``field`` in a ``/proc/cpuinfo`` text, or None."""
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        if name.strip() == field:
+            return value.strip()
+    return None
+
+
+def _parse_flags(cpuinfo: str) -> frozenset:
+    """The first ``flags`` line of a ``/proc/cpuinfo`` text, as a set of words."""
+    return frozenset((_cpu_field(cpuinfo, "flags") or "").split())
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,6 +101,26 @@ def has_avx512() -> bool:
     and some choices between two forms of one product follow it
     (:func:`flax_attn.core.numerics.weighted_values`)."""
     return "avx512f" in cpu_flags()
+
+
+def _projections_as_convolutions(cpuinfo: str) -> bool:
+    vendor, family = _cpu_field(cpuinfo, "vendor_id"), _cpu_field(cpuinfo, "cpu family")
+    return vendor == "AuthenticAMD" and family == "25" and "avx512f" in _parse_flags(cpuinfo)
+
+
+@functools.lru_cache(maxsize=None)
+def projections_as_convolutions() -> bool:
+    """Whether :func:`flax_attn.layers.common.dense` writes a large projection on this CPU as a
+    1-wide convolution (run on XLA's Eigen matmul) rather than as a dot (a YNNPACK fusion, with
+    the kernel read transposed): on AMD's family 25 with AVX-512 (Zen 4, whose 512-bit operations
+    run on 256-bit units), where XLA's Eigen kernel ran the projections' matmuls at 183-211
+    GFLOP/s against YNNPACK's 154-178 (2 cores, model 17). Elsewhere not measured, and kept as
+    before: where AVX-512 runs at full width (AMD's family 26, Intel) YNNPACK's kernels reached
+    343-407 GFLOP/s, nearly twice PyTorch's. False where ``/proc/cpuinfo`` cannot be read."""
+    try:
+        return _projections_as_convolutions(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
 
 
 YNNPACK_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}

@@ -1,6 +1,7 @@
 """The layers' shared pieces (flax_attn.layers.common). The projection (dense): on CPU, from
-CONV_MIN_ROWS rows on, it is a 1-wide convolution over the rows, which XLA compiles into its own
-dot; every form is x @ kernel + bias, in outputs and in reverse and forward mode. The loop over batch rows (by_row_chunks): its decision per
+LARGE_ROWS rows on, it is a 1-wide convolution over the rows, which XLA compiles into its own
+dot, or (on other CPUs) reads its kernel transposed; every form is x @ kernel + bias, in outputs
+and in reverse and forward mode. The loop over batch rows (by_row_chunks): its decision per
 platform, and the same numbers as the whole batch, the derivatives' programs unchanged."""
 import jax
 import jax.numpy as jnp
@@ -8,17 +9,22 @@ import numpy as np
 import pytest
 
 from conftest import assert_close
-from flax_attn.layers.common import CONV_MIN_ROWS, dense
+from flax_attn.core import tuning
+from flax_attn.layers.common import LARGE_ROWS, dense, rows_product
 
 
-@pytest.mark.parametrize("rows", [3, CONV_MIN_ROWS])
-def test_dense_is_the_matmul(rows):
+@pytest.mark.parametrize("convolutions", [True, False])
+@pytest.mark.parametrize("rows", [3, LARGE_ROWS])
+def test_dense_is_the_matmul(rows, convolutions, monkeypatch):
+    monkeypatch.setattr(tuning, "projections_as_convolutions", lambda: convolutions)
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((2, rows // 2 if rows > 3 else rows, 5)))
     p = {"kernel": jnp.asarray(rng.standard_normal((5, 3))), "bias": jnp.asarray(rng.standard_normal(3))}
     want = lambda p, x: x @ p["kernel"] + p["bias"]  # noqa: E731
-    convolution = "conv_general_dilated" in str(jax.make_jaxpr(lambda p, x: dense(p, x))(p, x))
-    assert convolution == (jax.default_backend() == "cpu" and rows >= CONV_MIN_ROWS)
+    jaxpr = str(jax.make_jaxpr(lambda p, x: dense(p, x))(p, x))
+    large = jax.default_backend() == "cpu" and rows >= LARGE_ROWS
+    assert ("conv_general_dilated" in jaxpr) == (large and convolutions)
+    assert ("optimization_barrier" in jaxpr) == (large and not convolutions)
     assert_close(dense(p, x), want(p, x), np.float64, "dense")
     ct = jnp.asarray(rng.standard_normal(x.shape[:-1] + (3,)))
     for got, exp, name in zip(jax.vjp(dense, p, x)[1](ct), jax.vjp(want, p, x)[1](ct), ("params", "x")):
@@ -31,22 +37,33 @@ def test_dense_is_the_matmul(rows):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the convolution form is CPU-only")
 def test_the_convolution_form_compiles_to_xlas_dot_in_both_directions():
-    """The reason for the form: with YNNPACK's fusions on (XLA's default on CPU), a plain dot of
-    this size becomes a YNNPACK fusion, the convolution becomes XLA's own dot, and so do the
-    two products of its reverse mode."""
-    x = jnp.zeros((2, CONV_MIN_ROWS // 2, 64), jnp.float32)
-    p = {"kernel": jnp.zeros((64, 48), jnp.float32)}
-    ct = jnp.zeros((2, CONV_MIN_ROWS // 2, 48), jnp.float32)
+    """The reason for the convolution form: with YNNPACK's fusions on (XLA's default on CPU), a
+    plain dot of this size becomes a YNNPACK fusion, the convolution becomes XLA's own dot, and
+    so do the two products of its reverse mode."""
+    x = jnp.zeros((2, LARGE_ROWS // 2, 64), jnp.float32)
+    kernel = jnp.zeros((64, 48), jnp.float32)
+    ct = jnp.zeros((2, LARGE_ROWS // 2, 48), jnp.float32)
 
     def ops(f, *args):
         text = jax.jit(f).lower(*args).compile().as_text()
         return text.count(" dot("), text.count("ynn_fusion") > 0, text.count("convolution(")
 
-    plain = ops(lambda p, x: x @ p["kernel"], p, x)
+    plain = ops(lambda k, x: x @ k, kernel, x)
     if not plain[1]:
         pytest.skip("this XLA does not hand the plain dot to YNNPACK")
-    assert ops(dense, p, x) == (1, False, 0)
-    assert ops(lambda p, x, ct: jax.vjp(dense, p, x)[1](ct), p, x, ct) == (2, False, 0)
+    assert ops(lambda k, x: rows_product(x, k), kernel, x) == (1, False, 0)
+    reverse = lambda k, x, ct: jax.vjp(lambda k, x: rows_product(x, k), k, x)[1](ct)  # noqa: E731
+    assert ops(reverse, kernel, x, ct) == (2, False, 0)
+
+
+def test_projections_as_convolutions_on_amd_family_25_with_avx512_only():
+    amd = "vendor_id\t: AuthenticAMD\ncpu family\t: {}\nmodel\t\t: 17\nflags\t\t: fpu sse2 avx2 {}\n"
+    assert tuning._projections_as_convolutions(amd.format(25, "avx512f avx512bw"))
+    assert not tuning._projections_as_convolutions(amd.format(25, ""))        # family 25, model 1: AVX2
+    assert not tuning._projections_as_convolutions(amd.format(26, "avx512f"))  # full-width AVX-512
+    intel = amd.replace("AuthenticAMD", "GenuineIntel").format(6, "avx512f")
+    assert not tuning._projections_as_convolutions(intel)
+    assert not tuning._projections_as_convolutions("")
 
 def test_row_chunk_takes_about_a_thousand_tokens_a_step_on_cpu_only():
     from flax_attn.layers.common import ROW_CHUNK_MIN_TOKENS, row_chunk
