@@ -108,6 +108,10 @@ def _projections_as_convolutions(cpuinfo: str) -> bool:
     return vendor == "AuthenticAMD" and family == "25" and "avx512f" in _parse_flags(cpuinfo)
 
 
+PROJECTIONS_ENV = "FLAX_ATTN_PROJECTIONS_AS_CONVOLUTIONS"
+"""Environment variable that overrides :func:`projections_as_convolutions`: ``1`` or ``0``."""
+
+
 @functools.lru_cache(maxsize=None)
 def projections_as_convolutions() -> bool:
     """Whether :func:`flax_attn.layers.common.dense` writes a large projection on this CPU as a
@@ -116,7 +120,19 @@ def projections_as_convolutions() -> bool:
     run on 256-bit units), where XLA's Eigen kernel ran the projections' matmuls at 183-211
     GFLOP/s against YNNPACK's 154-178 (2 cores, model 17). Elsewhere not measured, and kept as
     before: where AVX-512 runs at full width (AMD's family 26, Intel) YNNPACK's kernels reached
-    343-407 GFLOP/s, nearly twice PyTorch's. False where ``/proc/cpuinfo`` cannot be read."""
+    343-407 GFLOP/s, nearly twice PyTorch's. False where ``/proc/cpuinfo`` cannot be read.
+
+    :data:`PROJECTIONS_ENV` set to ``1`` or ``0`` before the first call overrides the choice:
+    ``0`` for programs that ``jax.vmap`` a layer over its parameters (an ensemble), where the
+    convolution becomes a grouped convolution that XLA does not turn into a dot (4 members of
+    4,096 x 256 x 256, float32, same machine: 23.4 against 13.3 ms forward, 77 against 28 ms
+    forward+backward). Mapping over the inputs alone (per-example gradients) is not affected
+    (14.2 against 23.5 ms for per-example kernel gradients there)."""
+    setting = os.environ.get(PROJECTIONS_ENV)
+    if setting is not None:
+        if setting not in ("0", "1"):
+            raise ValueError(f"{PROJECTIONS_ENV} must be '0' or '1', got {setting!r}")
+        return setting == "1"
     try:
         return _projections_as_convolutions(Path("/proc/cpuinfo").read_text())
     except OSError:

@@ -65,6 +65,21 @@ def test_projections_as_convolutions_on_amd_family_25_with_avx512_only():
     assert not tuning._projections_as_convolutions(intel)
     assert not tuning._projections_as_convolutions("")
 
+
+@pytest.mark.parametrize("setting, expected", [("1", True), ("0", False), ("yes", ValueError)])
+def test_projections_as_convolutions_follows_its_environment_variable(setting, expected, monkeypatch):
+    monkeypatch.setenv(tuning.PROJECTIONS_ENV, setting)
+    tuning.projections_as_convolutions.cache_clear()
+    try:
+        if expected is ValueError:
+            with pytest.raises(ValueError, match=tuning.PROJECTIONS_ENV):
+                tuning.projections_as_convolutions()
+        else:
+            assert tuning.projections_as_convolutions() is expected
+    finally:
+        monkeypatch.delenv(tuning.PROJECTIONS_ENV)
+        tuning.projections_as_convolutions.cache_clear()
+
 def test_row_chunk_takes_about_a_thousand_tokens_a_step_on_cpu_only():
     from flax_attn.layers.common import ROW_CHUNK_MIN_TOKENS, row_chunk
 
