@@ -113,7 +113,11 @@ def dense(p: Mapping, x, precision: Any = None):
     rounds); against the transposed-kernel form alone, 1,259 -> 1,175 ms (10 rounds).
     :class:`flax_attn.Attention` with RoPE, 8 x 512 tokens, 2,048 wide, 16 heads over 4
     key/value heads: 1,705 -> 1,600 ms; :class:`flax_attn.MultiHeadLatentAttention`
-    (DeepSeek-V2-Lite's shapes) at 4 x 1,024 tokens: 2,917 -> 2,619 ms (8 rounds each).
+    (DeepSeek-V2-Lite's shapes) at 4 x 1,024 tokens: 2,917 -> 2,619 ms (8 rounds each). Inputs
+    sharded over a mesh's explicit axes keep the transposed-kernel form: the convolution's batch
+    is the rows, and merging sharded axes into them would need their sharding spelled out (a
+    convolution over the axes as they lie, one batch and further spatial axes, stays a
+    convolution in XLA: 8 x 1,024 rows' reverse mode as slow, 2 x 4 x 1,024 four times slower).
     Forward alone, these layers run the rows in chunks of 1,024 tokens (:func:`by_row_chunks`),
     below the threshold, and are unchanged. With few rows the product stays a dot: a decoding step
     has one row per sequence.
@@ -123,7 +127,8 @@ def dense(p: Mapping, x, precision: Any = None):
     x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
     rows = math.prod(x.shape[:-1]) if all(isinstance(d, int) for d in x.shape[:-1]) else 0  # 0: symbolic
     if jax.default_backend() == "cpu" and rows >= LARGE_ROWS:
-        if tuning.projections_as_convolutions() and not jnp.issubdtype(dtype, jnp.complexfloating):
+        if (tuning.projections_as_convolutions() and not jnp.issubdtype(dtype, jnp.complexfloating)
+                and not _explicitly_sharded(x)):
             y = rows_product(x, kernel, precision)
         else:
             kt = lax.optimization_barrier(kernel.T)
@@ -133,6 +138,14 @@ def dense(p: Mapping, x, precision: Any = None):
     if bias is not None:
         y = y + jnp.reshape(jnp.asarray(bias, dtype), (1,) * (y.ndim - 1) + (-1,))
     return y
+
+
+def _explicitly_sharded(x) -> bool:
+    """Whether ``x``'s type carries a sharding over a mesh's explicit axes (under which merging
+    its leading axes into rows, as :func:`rows_product` does, would need its sharding spelled
+    out)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
 
 
 def rows_product(x, kernel, precision: Any = None):

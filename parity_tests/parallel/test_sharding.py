@@ -275,6 +275,49 @@ def _measure_checkpoint():
     return results
 
 
+def _measure_large_projection():
+    """``dense`` on 4,096 rows (the large-product forms) with its inputs sharded over 'data' and
+    its kernel over 'model', on a mesh of each axis type, the convolution form forced on:
+    outputs and gradients against NumPy's products, and the form the trace took."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from flax_attn.core import tuning
+    from flax_attn.layers.common import LARGE_ROWS, dense
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, LARGE_ROWS // 4, 16))
+    kernel = rng.standard_normal((16, 8))
+    ct = rng.standard_normal((4, LARGE_ROWS // 4, 8))
+    want = {"out": x @ kernel, "d_kernel": np.einsum("btd,bto->do", x, ct), "d_x": ct @ kernel.T}
+    os.environ[tuning.PROJECTIONS_ENV] = "1"
+    tuning.projections_as_convolutions.cache_clear()
+    results = {}
+    try:
+        for kind in (AxisType.Explicit, AxisType.Auto):
+            mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
+            xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("data")))
+            ks = jax.device_put(jnp.asarray(kernel), NamedSharding(mesh, P(None, "model")))
+            cts = jax.device_put(jnp.asarray(ct), NamedSharding(mesh, P("data", None, "model")))
+            f = lambda k, x: dense({"kernel": k}, x)  # noqa: E731
+            with jax.set_mesh(mesh):
+                out, pullback = jax.jit(lambda k, x: jax.vjp(f, k, x))(ks, xs)
+                d_kernel, d_x = jax.jit(pullback)(cts)
+                convolution = "conv_general_dilated" in str(jax.make_jaxpr(f)(ks, xs))
+            got = {"out": out, "d_kernel": d_kernel, "d_x": d_x}
+            results[str(kind).split(".")[-1]] = {
+                "errors": {n: float(np.max(np.abs(np.asarray(got[n]) - want[n])) / np.max(np.abs(want[n])))
+                           for n in want},
+                "convolution": convolution}
+    finally:
+        del os.environ[tuning.PROJECTIONS_ENV]
+        tuning.projections_as_convolutions.cache_clear()
+    return results
+
+
 def child():
     import jax
 
@@ -283,7 +326,8 @@ def child():
     assert jax.device_count() == 8, jax.devices()
     return {"modules": {f"{m}|{d}": _measure_module(m, d) for m, d in RUNS},
             "cache": {layout: _measure_cache(layout) for layout in CACHE_SPLIT},
-            "errors": _measure_errors(), "checkpoint": _measure_checkpoint(), "decoder": _measure_decoder()}
+            "errors": _measure_errors(), "checkpoint": _measure_checkpoint(), "decoder": _measure_decoder(),
+            "large_projection": _measure_large_projection()}
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -401,6 +445,15 @@ def test_checkpoint_restores_into_the_shardings(measured, verify):
     assert r["q_proj_shard"] == [64, 16]          # (D, 8 heads of 8) over 4 devices of 'model'
     assert r["k_proj_shard"] == [64, 16]          # 2 key/value heads on a model axis of 4: replicated
     assert sorted(s.replace("PartitionSpec", "P") for s in r["specs"]) == ["P('model', None)", "P()", "P(None, 'model')"]
+
+
+def test_a_large_projection_is_sharded_like_a_small_one(measured):
+    """On a mesh of explicit axes the rows' convolution would merge sharded axes, so the product
+    stays a dot there; on an automatic mesh it is the convolution. Both are the matmul."""
+    r = measured["large_projection"]
+    assert r["Explicit"]["convolution"] is False and r["Auto"]["convolution"] is True, r
+    for kind in r.values():
+        assert max(kind["errors"].values()) < TOL["float64"], r
 
 
 # in this process: no devices needed
