@@ -117,10 +117,11 @@ def dense(p: Mapping, x, precision: Any = None):
     sharded over a mesh's explicit axes keep the transposed-kernel form: the convolution's batch
     is the rows, and merging sharded axes into them would need their sharding spelled out (a
     convolution over the axes as they lie, one batch and further spatial axes, stays a
-    convolution in XLA: 8 x 1,024 rows' reverse mode as slow, 2 x 4 x 1,024 four times slower).
-    Forward alone, these layers run the rows in chunks of 1,024 tokens (:func:`by_row_chunks`),
-    below the threshold, and are unchanged. With few rows the product stays a dot: a decoding step
-    has one row per sequence.
+    convolution in XLA: reverse mode of (8, 1,024, 768) by 768 x 2,304 331 ms against the flat
+    rows' 305, of (2, 4, 1,024, 768) 1,301 ms). Forward alone, these layers run the rows in
+    chunks of 1,024 tokens (:func:`by_row_chunks`), below the threshold, and are unchanged. With
+    few rows the product stays a plain dot: there the transposed kernel's copy cost more than the
+    matmul (a decoding step, one row per sequence, went from 0.9 to 2.5 ms at batch 1).
     """
     kernel, bias = p["kernel"], p.get("bias")
     dtype = jnp.result_type(x, kernel, *(() if bias is None else (bias,)))
