@@ -87,13 +87,18 @@ def _parse_flags(cpuinfo: str) -> frozenset:
 
 
 @functools.lru_cache(maxsize=None)
+def _cpuinfo() -> str:
+    """``/proc/cpuinfo``'s text, read once; empty where it cannot be read (not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_flags() -> frozenset:
     """The instruction-set flags of the CPU (``/proc/cpuinfo``'s ``flags`` on Linux; empty where
     it cannot be read)."""
-    try:
-        return _parse_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return frozenset()
+    return _parse_flags(_cpuinfo())
 
 
 def has_avx512() -> bool:
@@ -133,10 +138,7 @@ def projections_as_convolutions() -> bool:
         if setting not in ("0", "1"):
             raise ValueError(f"{PROJECTIONS_ENV} must be '0' or '1', got {setting!r}")
         return setting == "1"
-    try:
-        return _projections_as_convolutions(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return _projections_as_convolutions(_cpuinfo())
 
 
 YNNPACK_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
