@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import platform
 import subprocess
-from pathlib import Path
 from typing import Optional
+
+from flax_attn.core import tuning
 
 
 def name() -> str:
@@ -21,37 +22,21 @@ def name() -> str:
         return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name:"))
     except (OSError, subprocess.CalledProcessError, StopIteration):
         pass
-    return _cpuinfo().get("model name") or platform.processor() or "unknown cpu"
-
-
-def _cpuinfo() -> dict:
-    """The first processor's fields of Linux's /proc/cpuinfo ({} elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    fields = {}
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
+    return tuning.cpu_field("model name") or platform.processor() or "unknown cpu"
 
 
 def family_model() -> Optional[tuple[int, int]]:
     """The x86 ``(cpu family, model)`` numbers from /proc/cpuinfo, e.g. ``(26, 2)``; None where
     they are not published (not Linux, not x86)."""
-    info = _cpuinfo()
     try:
-        return int(info["cpu family"]), int(info["model"])
-    except (KeyError, ValueError):
+        return int(tuning.cpu_field("cpu family")), int(tuning.cpu_field("model"))
+    except (TypeError, ValueError):
         return None
 
 
 def kind() -> str:
     """:func:`name` with the family, model and per-core L2 size, as the tables print the machine:
     ``AMD EPYC (family 26, model 2, L2 1 MiB/core)``."""
-    from flax_attn.core import tuning
-
     numbers = family_model()
     parts = ([f"family {numbers[0]}", f"model {numbers[1]}"] if numbers else []) + [
         f"L2 {tuning.l2_cache_bytes() / 2**20:g} MiB/core"]
@@ -61,8 +46,6 @@ def kind() -> str:
 def last_level_cache_bytes() -> int:
     """The largest CPU cache of CPU 0 (the L3 on the CPUs measured) in bytes, from Linux sysfs;
     32 MiB where it cannot be read."""
-    from flax_attn.core import tuning
-
     return max(tuning.cache_bytes().values(), default=32 << 20)
 
 

@@ -42,9 +42,9 @@ def test_fused_projection_contender_computes_the_module():
 
 
 @pytest.mark.parametrize("cpuinfo, slug, kind", [
-    ({"cpu family": "26", "model": "2"}, "amd-epyc-family26-model2", "AMD EPYC (family 26, model 2, L2 1 MiB/core)"),
-    ({"cpu family": "25", "model": "17"}, "amd-epyc-family25-model17", "AMD EPYC (family 25, model 17, L2 1 MiB/core)"),
-    ({}, "amd-epyc", "AMD EPYC (L2 1 MiB/core)"),  # not published (not Linux, not x86)
+    ("cpu family\t: 26\nmodel\t\t: 2\n", "amd-epyc-family26-model2", "AMD EPYC (family 26, model 2, L2 1 MiB/core)"),
+    ("cpu family\t: 25\nmodel\t\t: 17\n", "amd-epyc-family25-model17", "AMD EPYC (family 25, model 17, L2 1 MiB/core)"),
+    ("", "amd-epyc", "AMD EPYC (L2 1 MiB/core)"),  # not published (not Linux, not x86)
 ])
 def test_cpu_kinds_that_share_a_model_name_get_their_own_result_files(monkeypatch, cpuinfo, slug, kind):
     """Two generations of server CPUs both report the model name ``AMD EPYC`` under a hypervisor:
@@ -53,7 +53,7 @@ def test_cpu_kinds_that_share_a_model_name_get_their_own_result_files(monkeypatc
     from flax_attn.core import tuning
 
     monkeypatch.setattr(cpu, "name", lambda: "AMD EPYC")
-    monkeypatch.setattr(cpu, "_cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(tuning, "_cpuinfo", lambda: cpuinfo)
     monkeypatch.setattr(tuning, "l2_cache_bytes", lambda: 1 << 20)
     assert cpu.slug() == slug and cpu.kind() == kind
 

@@ -95,6 +95,12 @@ def _cpuinfo() -> str:
         return ""
 
 
+def cpu_field(field: str) -> Optional[str]:
+    """The first processor's ``field`` in Linux's ``/proc/cpuinfo`` (e.g. ``'model name'``,
+    ``'cpu family'``), or None where it is not published (not Linux, not x86)."""
+    return _cpu_field(_cpuinfo(), field)
+
+
 def cpu_flags() -> frozenset:
     """The instruction-set flags of the CPU (``/proc/cpuinfo``'s ``flags`` on Linux; empty where
     it cannot be read)."""
