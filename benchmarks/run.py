@@ -9,7 +9,9 @@
    layer on F.scaled_dot_product_attention (the peer), a Flax layer on
    jax.nn.dot_product_attention, and Flax's nn.MultiHeadDotProductAttention; where
    flax_attn.core.tuning.cpu_compiler_options() has XLA compile options for this CPU,
-   flax_attn's layer compiled by fa.jit (with them) as well. Forward and
+   flax_attn's layer compiled by fa.jit (with them) as well; on CPU, flax_attn's layer with its
+   large projections in the form this CPU does not take by default (flax_attn.projections_as:
+   'dot' where tuning.projections_as_convolutions() holds, else 'convolution'). Forward and
    forward+backward (gradients of the input and every parameter), compiled, warm-up excluded,
    median over repeats taken in turns (contender by contender, repeat by repeat).
 2. A length sweep of the attention core (1 sequence, 8 heads of 64, causal, 1k to 64k tokens):
@@ -171,6 +173,10 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
     mha = fa.MultiHeadAttention(D, D, T, 0.0, N, param_dtype=jdtype)
     if tuning.cpu_compiler_options():  # where this CPU has compile options of its own: fa.jit's program
         jax_contender(_Deterministic(mha), "flax_attn MultiHeadAttention (auto), compiled by fa.jit", fa.jit)
+    if not gpu:  # the projections in the form this CPU does not take by default (layers.common.dense)
+        other = "dot" if tuning.projections_as_convolutions() else "convolution"
+        jax_contender(_Deterministic(mha), f"flax_attn MultiHeadAttention (auto), projections as {other}s",
+                      _jit_with_projections_as(other))
     jax_contender(_FusedProjections(mha), "flax_attn MultiHeadAttention (auto), one fused QKV matmul")
     jax_contender(JaxNNMultiHeadAttention(D, N, dtype=jdtype), "Flax layer on jax.nn.dot_product_attention")
     jax_contender(FlaxMultiHeadDotProductAttention(D, N, dtype=jdtype), "flax.linen.MultiHeadDotProductAttention")
@@ -207,6 +213,21 @@ def gpt2_layer(cfg: dict, repeats: int, gpu: bool) -> list[dict]:
                          "framework": framework, "gflops": flops[mode] / t / 1e9,
                          "load_average_before": load, "load_average_after": _load()})
     return rows
+
+
+def _jit_with_projections_as(form: str):
+    """``jax.jit`` whose trace writes the layers' large projections as ``form``
+    (``flax_attn.projections_as``)."""
+    import jax
+
+    import flax_attn as fa
+
+    def jit(f):
+        def traced(*args):
+            with fa.projections_as(form):
+                return f(*args)
+        return jax.jit(traced)
+    return jit
 
 
 PEER = "PyTorch layer on F.scaled_dot_product_attention (peer)"

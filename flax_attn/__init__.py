@@ -30,7 +30,7 @@ from flax_attn import checkpoint, core, hf, interop, nnx, parallel, plot
 from flax_attn.layers.flax_hook import flax_attention_fn
 from flax_attn.core import dot_product_attention, dropout, keep_host_memory, masked_softmax
 from flax_attn.core import mask as masks
-from flax_attn.core.tuning import jit
+from flax_attn.core.tuning import jit, projections_as
 from flax_attn.interop import StateDictError, from_torch_state_dict, to_torch_state_dict
 from flax_attn.layers import (Attention, AttentionConfig, ContextKV, KVCache, LatentKVCache, LearnedPositionalEmbedding,
                               MLAConfig, MultiHeadLatentAttention, decode_loop, decode_step, mla_forward,
@@ -75,6 +75,7 @@ __all__ = [
     "keep_host_memory",
     "mla_forward",
     "mla_params",
+    "projections_as",
     "RopeScaling",
     "alibi",
     "alibi_bias",

@@ -20,9 +20,10 @@ sysfs), 1 MiB is assumed. :func:`has_avx512` reads the CPU's instruction-set fla
 (``/proc/cpuinfo``), on which one choice of matmul form depends
 (:func:`flax_attn.core.numerics.weighted_values`); :func:`projections_as_convolutions` its
 vendor and family, on which the form of the layers' large projections depends
-(:func:`flax_attn.layers.common.dense`). :func:`compiled_with` declares, while a
-function is traced, the XLA compile options its program will get (:func:`flax_attn.decode_step`
-does), for the forms that are fast only under them (:func:`ynnpack_fusions_off`).
+(:func:`flax_attn.layers.common.dense`; :func:`projections_as` chooses it for a trace).
+:func:`compiled_with` declares, while a function is traced, the XLA compile options its
+program will get (:func:`flax_attn.decode_step` does), for the forms that are fast only under
+them (:func:`ynnpack_fusions_off`).
 
 The results depend only on the machine and the shapes, so that a program traced twice on one
 machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` or
@@ -122,8 +123,36 @@ def _projections_as_convolutions(cpuinfo: str) -> bool:
 PROJECTIONS_ENV = "FLAX_ATTN_PROJECTIONS_AS_CONVOLUTIONS"
 """Environment variable that overrides :func:`projections_as_convolutions`: ``1`` or ``0``."""
 
+PROJECTION_FORMS = ("convolution", "dot")
+_PROJECTIONS: contextvars.ContextVar = contextvars.ContextVar("flax_attn_projections", default=None)
 
-@functools.lru_cache(maxsize=None)
+
+@contextlib.contextmanager
+def projections_as(form: str):
+    """Functions traced under it write the layers' large projections as ``form``:
+    ``'convolution'`` (a 1-wide convolution over the rows, run on XLA's Eigen matmul) or
+    ``'dot'`` (a dot with the kernel read transposed), whatever this CPU's default
+    (:func:`projections_as_convolutions`) and :data:`PROJECTIONS_ENV` say. The form is fixed
+    when a function is traced: wrap the first call of a ``jax.jit`` function (or its
+    ``.lower``), not later calls::
+
+        with flax_attn.projections_as("dot"):
+            compiled = jax.jit(ensemble_step).lower(params, batch).compile()
+
+    ``benchmarks.run`` times the layer in the form this CPU does not take by default this way.
+
+    Raises:
+      ValueError: ``form`` is not one of :data:`PROJECTION_FORMS`.
+    """
+    if form not in PROJECTION_FORMS:
+        raise ValueError(f"projections_as(form=...) takes one of {PROJECTION_FORMS}, got {form!r}")
+    token = _PROJECTIONS.set(form)
+    try:
+        yield
+    finally:
+        _PROJECTIONS.reset(token)
+
+
 def projections_as_convolutions() -> bool:
     """Whether :func:`flax_attn.layers.common.dense` writes a large projection on this CPU as a
     1-wide convolution (run on XLA's Eigen matmul) rather than as a dot (a YNNPACK fusion, with
@@ -133,12 +162,23 @@ def projections_as_convolutions() -> bool:
     before: where AVX-512 runs at full width (AMD's family 26, Intel) YNNPACK's kernels reached
     343-407 GFLOP/s, nearly twice PyTorch's. False where ``/proc/cpuinfo`` cannot be read.
 
-    :data:`PROJECTIONS_ENV` set to ``1`` or ``0`` before the first call overrides the choice:
-    ``0`` for programs that ``jax.vmap`` a layer over its parameters (an ensemble), where the
+    Inside :func:`projections_as` its form decides. Otherwise :data:`PROJECTIONS_ENV` set to
+    ``1`` or ``0`` before the first call overrides the machine's choice for the process. Both
+    serve programs that ``jax.vmap`` a layer over its parameters (an ensemble), where the
     convolution becomes a grouped convolution that XLA does not turn into a dot (4 members of
     4,096 x 256 x 256, float32, same machine: 23.4 against 13.3 ms forward, 77 against 28 ms
-    forward+backward). Mapping over the inputs alone (per-example gradients) is not affected
-    (14.2 against 23.5 ms for per-example kernel gradients there)."""
+    forward+backward): trace them as ``'dot'``. Mapping over the inputs alone (per-example
+    gradients) is not affected (14.2 against 23.5 ms for per-example kernel gradients there)."""
+    form = _PROJECTIONS.get()
+    if form is not None:
+        return form == "convolution"
+    return _machine_projections_as_convolutions()
+
+
+@functools.lru_cache(maxsize=None)
+def _machine_projections_as_convolutions() -> bool:
+    """:func:`projections_as_convolutions` outside :func:`projections_as`: the environment
+    variable, else the CPU (read once)."""
     setting = os.environ.get(PROJECTIONS_ENV)
     if setting is not None:
         if setting not in ("0", "1"):

@@ -69,7 +69,7 @@ def test_projections_as_convolutions_on_amd_family_25_with_avx512_only():
 @pytest.mark.parametrize("setting, expected", [("1", True), ("0", False), ("yes", ValueError)])
 def test_projections_as_convolutions_follows_its_environment_variable(setting, expected, monkeypatch):
     monkeypatch.setenv(tuning.PROJECTIONS_ENV, setting)
-    tuning.projections_as_convolutions.cache_clear()
+    tuning._machine_projections_as_convolutions.cache_clear()
     try:
         if expected is ValueError:
             with pytest.raises(ValueError, match=tuning.PROJECTIONS_ENV):
@@ -78,7 +78,31 @@ def test_projections_as_convolutions_follows_its_environment_variable(setting, e
             assert tuning.projections_as_convolutions() is expected
     finally:
         monkeypatch.delenv(tuning.PROJECTIONS_ENV)
-        tuning.projections_as_convolutions.cache_clear()
+        tuning._machine_projections_as_convolutions.cache_clear()
+
+
+def test_projections_as_chooses_the_form_of_a_trace():
+    """Inside ``projections_as(form)`` a trace of a large projection takes that form, whatever the
+    machine's default; the default returns on leaving it, inner contexts win over outer ones, the
+    form is fixed when a jitted function is traced, and an unknown form is refused by name."""
+    import flax_attn as fa
+
+    x, p = jnp.ones((LARGE_ROWS, 4)), {"kernel": jnp.ones((4, 2))}
+    form = lambda: "conv_general_dilated" in str(jax.make_jaxpr(lambda p, x: dense(p, x))(p, x))  # noqa: E731
+    default = tuning.projections_as_convolutions()
+    if jax.default_backend() != "cpu":
+        pytest.skip("the large-projection forms are CPU forms")
+    with fa.projections_as("convolution"):
+        assert tuning.projections_as_convolutions() and form()
+        with fa.projections_as("dot"):
+            assert not tuning.projections_as_convolutions() and not form()
+            traced = jax.jit(lambda p, x: dense(p, x)).lower(p, x).as_text()
+        assert form()
+    assert tuning.projections_as_convolutions() is default and form() is default
+    assert "convolution" not in traced and "dot_general" in traced
+    with pytest.raises(ValueError, match=r"projections_as\(form=...\).*'conv'"):
+        with fa.projections_as("conv"):
+            pass
 
 def test_row_chunk_takes_about_a_thousand_tokens_a_step_on_cpu_only():
     from flax_attn.layers.common import ROW_CHUNK_MIN_TOKENS, row_chunk

@@ -279,8 +279,6 @@ def _measure_large_projection():
     """``dense`` on 4,096 rows (the large-product forms) with its inputs sharded over 'data' and
     its kernel over 'model', on a mesh of each axis type, the convolution form forced on:
     outputs and gradients against NumPy's products, and the form the trace took."""
-    import os
-
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -293,10 +291,8 @@ def _measure_large_projection():
     kernel = rng.standard_normal((16, 8))
     ct = rng.standard_normal((4, LARGE_ROWS // 4, 8))
     want = {"out": x @ kernel, "d_kernel": np.einsum("btd,bto->do", x, ct), "d_x": ct @ kernel.T}
-    os.environ[tuning.PROJECTIONS_ENV] = "1"
-    tuning.projections_as_convolutions.cache_clear()
     results = {}
-    try:
+    with tuning.projections_as("convolution"):
         for kind in (AxisType.Explicit, AxisType.Auto):
             mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
             xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("data")))
@@ -312,9 +308,6 @@ def _measure_large_projection():
                 "errors": {n: float(np.max(np.abs(np.asarray(got[n]) - want[n])) / np.max(np.abs(want[n])))
                            for n in want},
                 "convolution": convolution}
-    finally:
-        del os.environ[tuning.PROJECTIONS_ENV]
-        tuning.projections_as_convolutions.cache_clear()
     return results
 
 
