@@ -579,7 +579,7 @@ def print_report(results: dict) -> None:
             print(f"{name:<62} " + " ".join(cells))
         loads = [r.get("load_average_before") for r in results["gpt2_layer"] if r.get("load_average_before")]
         if loads:
-            print(f"load average (1 min) before the forward / forward+backward rounds: "
+            print("load average (1 min) before the forward / forward+backward rounds: "
                   + " / ".join(f"{l[0]:.2f}" for l in loads[::len(by)]))
     if "length_sweep" in results:
         print("\nAttention core, length sweep (1 sequence, 8 heads of 64, causal; FLOPs: causal half of QK^T and PV, "
