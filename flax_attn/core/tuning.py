@@ -25,9 +25,9 @@ vendor and family, on which the form of the layers' large projections depends
 program will get (:func:`flax_attn.decode_step` does), for the forms that are fast only under
 them (:func:`ynnpack_fusions_off`).
 
-The results depend only on the machine and the shapes, so that a program traced twice on one
-machine is the same program; pass ``Blockwise(block_q=..., block_k=...)`` or
-``QueryBlocks(block_q=...)`` to override.
+The results depend only on the machine and the shapes (and on :func:`projections_as`, where a
+trace is wrapped in it), so that a program traced twice on one machine is the same program;
+pass ``Blockwise(block_q=..., block_k=...)`` or ``QueryBlocks(block_q=...)`` to override.
 """
 from __future__ import annotations
 
