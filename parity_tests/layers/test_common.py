@@ -100,6 +100,13 @@ def test_projections_as_chooses_the_form_of_a_trace():
         assert form()
     assert tuning.projections_as_convolutions() is default and form() is default
     assert "convolution" not in traced and "dot_general" in traced
+    # an ensemble (vmap over kernels and inputs): a grouped convolution as 'convolution', a dot as 'dot'
+    kernels, xs = jnp.ones((3, 4, 2)), jnp.ones((3, LARGE_ROWS, 4))
+    ensemble = lambda: str(jax.make_jaxpr(jax.vmap(lambda k, x: dense({"kernel": k}, x)))(kernels, xs))  # noqa: E731
+    with fa.projections_as("convolution"):
+        assert "feature_group_count=3" in ensemble()
+    with fa.projections_as("dot"):
+        assert "conv_general_dilated" not in ensemble()
     with pytest.raises(ValueError, match=r"projections_as\(form=...\).*'conv'"):
         with fa.projections_as("conv"):
             pass
