@@ -8,9 +8,10 @@ with XLA's CPU backend optimisation level 0 and its older fusion emitters (``TES
 together they take the whole suite from 29 to 17 minutes of CPU time; the same HLO passes run,
 only the machine code differs). The results are held to the same tolerances. A flag this
 jaxlib does not know would abort JAX, so each is first tried in a child process (once, by the
-first process; the test workers inherit the answer). Processes started by tests to run what
-users run (the examples, the benchmark smoke run) get the user's default flags. Set
-``XLA_FLAGS`` with an ``xla_backend_optimization_level`` of your own to override.
+first process; the test workers inherit the answer). Processes started by tests (the examples,
+the benchmark's smoke run) compile with them too (``child_env``), except where a test measures
+XLA's default program or a child runs longer than it compiles (the training example). Set ``XLA_FLAGS`` with an ``xla_backend_optimization_level`` of your
+own to override.
 
 Error measure and tolerances: ``torch_ref.compare`` (max|a - b| / max|b| over a tensor;
 float64 1e-12, float32 1e-5).
@@ -53,6 +54,20 @@ if "xla_backend_optimization_level" not in (_user_flags or ""):
         del os.environ["XLA_FLAGS"]
     else:
         os.environ["XLA_FLAGS"] = _user_flags
+
+
+
+def child_env(**extra) -> dict:
+    """The environment of a process a test starts (an example, the benchmark's smoke run, a
+    writer): this one's, with the suite's faster-compiling ``TEST_XLA_FLAGS`` added to the
+    user's ``XLA_FLAGS`` unless those set an optimisation level, and ``extra``. Such a child
+    checks that a script runs and reaches its checks, which compile time dominates; the README's
+    main command runs the chapter's examples with XLA's default flags."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        flags = f"{flags} {TEST_XLA_FLAGS}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, **extra}
+
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
+from conftest import child_env
 from flax_attn import checkpoint as ck
 
 
@@ -89,7 +90,7 @@ KILLED_WRITER = textwrap.dedent("""
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(directory)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+                              stderr=subprocess.DEVNULL, text=True, env=child_env())
     assert writer.stdout.readline().startswith("saved 1")
     unfinished, deadline = [], time.time() + 120
     while not unfinished and time.time() < deadline:
@@ -371,7 +372,8 @@ CONCURRENT_WRITER = textwrap.dedent("""
 def test_two_processes_saving_into_one_directory_lose_nothing_reported_saved(tmp_path):
     directory = tmp_path / "ckpt"
     writers = [subprocess.Popen([sys.executable, "-c", CONCURRENT_WRITER, str(directory), str(who),
-                                 str(tmp_path / "ready")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 str(tmp_path / "ready")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=child_env())
                for who in (1, 2)]
     reports = {}
     for who, w in zip((1, 2), writers):

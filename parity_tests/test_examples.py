@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from conftest import child_env
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -21,7 +23,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 ])
 def test_example_runs(script, expect):
     name, *args = script.split()
-    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300,
+                            env=child_env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert expect in result.stdout
 
@@ -31,7 +34,7 @@ def test_benchmark_suite_runs(tmp_path):
     # Tiny sizes, one repeat: checks that the suite runs and writes its files. No timing is judged.
     root = EXAMPLES.parent
     result = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600, cwd=root)
+                            capture_output=True, text=True, timeout=600, cwd=root, env=child_env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     written = sorted(p.suffix for p in tmp_path.iterdir())
     assert written == [".json", ".png"]
@@ -57,7 +60,8 @@ def test_benchmark_options_name_their_result_files(tmp_path):
     # exist is refused with the list of those that do.
     root = EXAMPLES.parent
     run = lambda *args: subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path),
-                                        *args], capture_output=True, text=True, timeout=600, cwd=root)
+                                        *args], capture_output=True, text=True, timeout=600, cwd=root,
+                                        env=child_env())
     result = run("--parts", "sweep", "--sweep-impls", "jax.nn, torch SDPA", "--huge-pages")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     [written] = tmp_path.glob("*.json")

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
-from conftest import CHAPTER_INPUTS, assert_printed
+from conftest import CHAPTER_INPUTS, assert_printed, child_env
 
 matplotlib = pytest.importorskip("matplotlib")
+import matplotlib.image  # noqa: E402  (_assert_png reads PNGs with it, whichever test runs first)
 from flax_attn.plot import attention_heatmaps  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -153,7 +154,7 @@ def test_flax_attn_imports_without_matplotlib():
 @pytest.mark.slow
 def test_heatmaps_example_writes_the_readme_pictures(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "heatmaps.py"), "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=child_env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "0.1385 0.2379 0.2333" in result.stdout  # the chapter's printed weights of "journey"
     for name in ("heatmap_chapter.png", "heatmap_sliding_window_gqa.png"):

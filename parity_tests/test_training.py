@@ -136,6 +136,7 @@ def test_training_text_is_the_documented_one():
 def _run_quick(out, seed=0):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "train_decoder.py"), "--quick",
                              "--seed", str(seed), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    # (XLA's default flags: its training steps run longer than they compile, unlike the suite's programs)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flax_attn as fa
+from conftest import child_env
 
 
 def _binomial_bounds(n, p, sigmas=6.0):
@@ -96,7 +97,7 @@ def test_dropout_is_a_function_of_its_key_alone_across_processes():
     import sys
 
     digests = {subprocess.run([sys.executable, "-c", DROPOUT_IN_A_FRESH_PROCESS, str(seed)], capture_output=True,
-                              text=True, check=True).stdout.strip() for seed in (1, 12345)}
+                              text=True, check=True, env=child_env()).stdout.strip() for seed in (1, 12345)}
     assert len(digests) == 1 and len(digests.pop()) == 64
 
 

@@ -7,18 +7,15 @@ import os
 import subprocess
 import sys
 
-from conftest import TEST_XLA_FLAGS
+from conftest import child_env
 
 DEVICES = 8
 
 
 def run_child(script: str, *args: str, timeout: int = 900) -> dict:
     """Run ``python script --child args...`` with 8 virtual CPU devices; its last stdout line is JSON."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        flags += " " + TEST_XLA_FLAGS  # compile-bound like the suite itself (see conftest)
-    flags = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    env = child_env(JAX_PLATFORMS="cpu")  # compile-bound like the suite itself (see conftest)
+    env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={DEVICES}"
     proc = subprocess.run([sys.executable, script, "--child", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
