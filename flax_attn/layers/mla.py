@@ -49,13 +49,15 @@ tokens in 8,192 slots) an absorbed step took 4.6 ms at batch 1 and 14 ms at batc
 took 34 and 181 ms while every slot was read and the cache concatenated and zeroed each step
 (``python -m benchmarks.decode_mla`` compares it with PyTorch eager). The plain form
 decompresses every slot's keys and values at each step (``kv_b_proj`` over the whole cache:
-335 ms there): decode with ``absorb=True``. With more than two query rows (batch x tokens)
-the absorbed form rearranges ``kv_b_proj`` into per-head blocks at each call (Hugging Face's
-layout interleaves them), a cost that grows with the heads; with one or two, in a step of
-:func:`flax_attn.decode_step` compiled without YNNPACK (CPUs without AVX-512), it reads
-``kv_b_proj`` where it lies (:data:`ROWS_READING_KV_B_IN_PLACE`): with 128 heads (D 2048,
-batch 1, 1,024 cached tokens, AMD EPYC family 25) a step took 80 ms rearranging and 65 ms
-without.
+335 ms there): decode with ``absorb=True``. The absorbed form's two products with
+``kv_b_proj`` (Hugging Face's layout interleaves each head's key and value blocks) take one of
+three forms: on CPU, up to :data:`ROWS_LOOPING_OVER_HEADS` query rows (batch x tokens), a loop
+over the heads reading each head's blocks where they lie; with one or two rows, in a step of
+:func:`flax_attn.decode_step` compiled without YNNPACK (CPUs without AVX-512), sums of products
+over the weight where it lies (:data:`ROWS_READING_KV_B_IN_PLACE`: with 128 heads, D 2048,
+batch 1, 1,024 cached tokens, AMD EPYC family 25, a step took 80 ms rearranging and 65 ms
+without); otherwise (more rows, GPU, TPU) ``kv_b_proj`` rearranged into per-head blocks at
+each call for two batched matmuls, a cost that grows with the heads.
 
 The pure stage is :func:`mla_forward` with the parameter specs of :func:`mla_params`;
 :class:`MultiHeadLatentAttention` (Linen) and its NNX twin
@@ -428,6 +430,30 @@ whole weight again. With YNNPACK's fusions on (XLA's default) the sums took 20.3
 batch 1 against the matmuls' 8.7."""
 
 
+ROWS_LOOPING_OVER_HEADS = 64
+"""Up to this many query rows (batch x tokens) on CPU, the absorbed form multiplies by
+``kv_b_proj`` one head at a time in a loop (:func:`_head_by_head`), each head's ``W_UK`` and
+``W_UV`` blocks read where they lie, instead of rearranging ``kv_b_proj`` into per-head blocks
+for two batched matmuls, which XLA's CPU runtime runs slowly with few rows. The two products
+alone (r_kv 512, d_n = d_v = 128, float32, caches cold; AMD EPYC family 25, model 17), ms,
+batched / loop: 16 heads, 1 row 1.47 / 1.13, 8 rows 3.25 / 1.96, 64 rows 6.11 / 5.35; 128
+heads, 1 row 26.0 / 6.5, 8 rows 38.0 / 16.2, 64 rows 81.7 / 42.2. A whole decoding step of
+DeepSeek-V2-Lite's shapes is in :mod:`benchmarks.decode_mla`. Programs declared without
+YNNPACK's fusions keep :data:`ROWS_READING_KV_B_IN_PLACE` for one or two rows."""
+
+
+def _head_by_head(x, kv_b, block: slice, axis: int, precision: Any = None):
+    """``x`` ``(B, T, N, X)`` by each head's block of ``kv_b`` ``(r_kv, N, d_n + d_v)``, one head
+    a step: head ``n``'s rows ``x[:, :, n]`` contracted with ``kv_b[:, n, block]`` over that
+    block's ``axis`` (1: its ``d_n`` columns, giving ``(B, T, N, r_kv)``; 0: its ``r_kv`` rows,
+    giving ``(B, T, N, d_v)``)."""
+    def head(n):
+        w = jax.lax.dynamic_index_in_dim(kv_b, n, 1, keepdims=False)[:, block]
+        rows = jax.lax.dynamic_index_in_dim(x, n, 2, keepdims=False)
+        return jax.lax.dot_general(rows, w, (((2,), (axis,)), ((), ())), precision=precision)
+    return jnp.moveaxis(jax.lax.map(head, jnp.arange(x.shape[2])), 0, 2)
+
+
 def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_rng, precision, implementation):
     """:func:`mla_forward` after its checks, positions and segment ids batched."""
     N = c.num_heads
@@ -478,6 +504,12 @@ def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_r
             absorb_values = lambda o: jnp.sum(  # noqa: E731
                 jnp.swapaxes(o, 2, 3)[..., None].astype(acc) * kv_b[..., dn:].astype(acc), axis=2).astype(dtype)
             q_latent = jnp.swapaxes(q_latent, 2, 3).astype(dtype)
+        elif jax.default_backend() == "cpu" and B * T <= ROWS_LOOPING_OVER_HEADS:
+            # A few query rows (decoding) on CPU: one head a step, each head's blocks of
+            # kv_b_proj read where they lie (a loop: the program does not grow with the heads).
+            kv_b = kv_b.astype(dtype)
+            q_latent = _head_by_head(q_nope.astype(dtype), kv_b, slice(0, dn), 1, precision)       # (B, T, N, R)
+            absorb_values = lambda o: _head_by_head(o, kv_b, slice(dn, None), 0, precision)  # noqa: E731
         else:
             # kv_b_proj per head, (N, r_kv, d_n + d_v): one transpose copying runs of d_n + d_v,
             # kept as it is (the barrier) so that XLA does not fold it into each matmul below,

@@ -61,23 +61,34 @@ def test_parity(name, dtype):
     run_parity(t, f, inputs(), dtype, flax_kwargs={"deterministic": True})
 
 
+ABSORBED_FORMS = ("head by head", "in place", "batched matmuls")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ABSORBED_FORMS)
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 2), (2, 1)])
-def test_absorbed_parity_with_kv_b_read_in_place(B, T, dtype):
-    # At most mla.ROWS_READING_KV_B_IN_PLACE query rows (batch x tokens), traced for a program
-    # without YNNPACK's fusions, the absorbed form sums over kv_b_proj where it lies instead of
-    # two batched matmuls (no transpose of it in the program): outputs and gradients.
+def test_absorbed_forms_of_the_kv_b_products(B, T, form, dtype, monkeypatch):
+    # The absorbed form's products with kv_b_proj, outputs and gradients against torch_ref, in
+    # each of its three forms: on CPU up to mla.ROWS_LOOPING_OVER_HEADS query rows (batch x
+    # tokens) a loop over the heads reading kv_b_proj where it lies (two scans); at most
+    # mla.ROWS_READING_KV_B_IN_PLACE rows, traced for a program without YNNPACK's fusions, sums
+    # where it lies (no scan); more rows: kv_b_proj rearranged into per-head blocks (no scan, one
+    # transpose more) for two batched matmuls.
     from flax_attn.core import tuning
     from flax_attn.layers import mla
 
-    assert B * T <= mla.ROWS_READING_KV_B_IN_PLACE
+    assert B * T <= min(mla.ROWS_READING_KV_B_IN_PLACE, mla.ROWS_LOOPING_OVER_HEADS)
     t, f = pair(VARIANTS["absorbed"])
     x, positions = inputs(B, T)
     params = f.init(jax.random.key(0), jnp.asarray(x), positions)
-    transposes = lambda: str(jax.make_jaxpr(f.apply)(params, x, positions)).count("transpose[")  # noqa: E731
-    rearranging = transposes()
-    with tuning.compiled_with(tuning.YNNPACK_OFF):
-        assert transposes() == rearranging - 1
+    count = lambda what: str(jax.make_jaxpr(f.apply)(params, x, positions)).count(what)  # noqa: E731
+    head_by_head = count("scan["), count("transpose[")
+    if form == "batched matmuls":
+        monkeypatch.setattr(mla, "ROWS_LOOPING_OVER_HEADS", 0)
+    with tuning.compiled_with(tuning.YNNPACK_OFF if form == "in place" else {}):
+        scans, transposes = count("scan["), count("transpose[")
+        assert head_by_head[0] - scans == (0 if form == "head by head" else 2)
+        assert transposes - head_by_head[1] == (1 if form == "batched matmuls" else 0)
         run_parity(t, f, (x, positions), dtype, flax_kwargs={"deterministic": True})
 
 
