@@ -439,7 +439,9 @@ alone (r_kv 512, d_n = d_v = 128, float32, caches cold; AMD EPYC family 25, mode
 batched / loop: 16 heads, 1 row 1.47 / 1.13, 8 rows 3.25 / 1.96, 64 rows 6.11 / 5.35; 128
 heads, 1 row 26.0 / 6.5, 8 rows 38.0 / 16.2, 64 rows 81.7 / 42.2. A whole decoding step of
 DeepSeek-V2-Lite's shapes is in :mod:`benchmarks.decode_mla`. Programs declared without
-YNNPACK's fusions keep :data:`ROWS_READING_KV_B_IN_PLACE` for one or two rows."""
+YNNPACK's fusions keep :data:`ROWS_READING_KV_B_IN_PLACE` for one or two rows; where JAX sees
+more than one device, ``kv_b_proj`` may be sharded over its heads, and the batched matmuls stay
+(a loop over the heads would cut across the shards)."""
 
 
 def _head_by_head(x, kv_b, block: slice, axis: int, precision: Any = None):
@@ -504,7 +506,7 @@ def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_r
             absorb_values = lambda o: jnp.sum(  # noqa: E731
                 jnp.swapaxes(o, 2, 3)[..., None].astype(acc) * kv_b[..., dn:].astype(acc), axis=2).astype(dtype)
             q_latent = jnp.swapaxes(q_latent, 2, 3).astype(dtype)
-        elif jax.default_backend() == "cpu" and B * T <= ROWS_LOOPING_OVER_HEADS:
+        elif jax.default_backend() == "cpu" and jax.device_count() == 1 and B * T <= ROWS_LOOPING_OVER_HEADS:
             # A few query rows (decoding) on CPU: one head a step, each head's blocks of
             # kv_b_proj read where they lie (a loop: the program does not grow with the heads).
             kv_b = kv_b.astype(dtype)
