@@ -10,8 +10,8 @@ only the machine code differs). The results are held to the same tolerances. A f
 jaxlib does not know would abort JAX, so each is first tried in a child process (once, by the
 first process; the test workers inherit the answer). Processes started by tests (the examples,
 the benchmark's smoke run) compile with them too (``child_env``), except where a test measures
-XLA's default program or a child runs longer than it compiles (the training example). Set ``XLA_FLAGS`` with an ``xla_backend_optimization_level`` of your
-own to override.
+XLA's default program or a child runs longer than it compiles (the training example). Set
+``XLA_FLAGS`` with an ``xla_backend_optimization_level`` of your own to override.
 
 Error measure and tolerances: ``torch_ref.compare`` (max|a - b| / max|b| over a tensor;
 float64 1e-12, float32 1e-5).
@@ -54,7 +54,6 @@ if "xla_backend_optimization_level" not in (_user_flags or ""):
         del os.environ["XLA_FLAGS"]
     else:
         os.environ["XLA_FLAGS"] = _user_flags
-
 
 
 def child_env(**extra) -> dict:
