@@ -6,8 +6,9 @@ the same way eagerly and under ``jax.jit``.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -59,6 +60,38 @@ def check_integer(name: str, x) -> None:
 def dim_is(d, choices) -> bool:
     """``d`` equals one of ``choices``; symbolic dimensions (``jax.export``) compare without ``int()``."""
     return any(d is c or d == c for c in choices)
+
+
+def static_bool(name: str, x) -> bool:
+    """``x`` as a Python bool: a bool, a NumPy bool or a concrete 0-d boolean array. A traced
+    value is a ``TypeError`` naming the argument: it decides the program's form, which must be
+    known when the function is traced."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{name} must be known when the function is traced (it decides the program), got a traced "
+                        f"value {x}: pass it as a static argument (jax.jit's static_argnames) or a Python bool")
+    return bool(x)
+
+
+def static_int(x) -> Optional[int]:
+    """``x`` as a Python int where it is one: an int (not a bool), a NumPy integer or a concrete
+    0-d integer array; None otherwise (a tracer, a float, a sequence)."""
+    if isinstance(x, (bool, np.bool_, jax.core.Tracer)):
+        return None
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if getattr(x, "shape", None) == () and jnp.issubdtype(getattr(x, "dtype", np.float64), jnp.integer):
+        return int(x)
+    return None
+
+
+def decided(comparison: Callable[[], Any]) -> Optional[bool]:
+    """``comparison()`` (e.g. ``lambda: T >= 128``) as a bool, or None where it compares symbolic
+    dimensions (``jax.export``) whose constraints do not decide it: a size threshold then takes
+    the form that serves any size."""
+    try:
+        return bool(comparison())
+    except jax.errors.InconclusiveDimensionOperation:
+        return None
 
 
 def dims_equal(a: Sequence, b: Sequence) -> bool:

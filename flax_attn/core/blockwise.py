@@ -133,8 +133,10 @@ class Blockwise(Implementation):
         # Measured on a 2-core AVX-512 CPU (causal, 64-dim heads), forward / forward+backward
         # speed-up over the plain path: 8192 tokens in 8 x 12 heads: 0.71x / 0.77x at 32 tokens a
         # sequence, 1.23x / 1.06x at 64, 1.97x / 1.44x at 128. On GPUs the plain path or a fused
-        # kernel is chosen instead.
-        return call.platform == "cpu" and min(call.T, call.S) >= self.min_length
+        # kernel is chosen instead. A symbolic length (jax.export) whose constraints do not
+        # bound it below min_length may be any length: blockwise serves them all in linear memory.
+        short = _checks.decided(lambda: call.T < self.min_length or call.S < self.min_length)
+        return call.platform == "cpu" and not short
 
     def __call__(self, call, query, key, value, dropout_rng) -> Result:
         spec = _Spec.of(call, self)
@@ -187,8 +189,9 @@ class _Spec(BlockedLengths):
     @classmethod
     def of(cls, call, impl: Blockwise) -> "_Spec":
         tq, tk = tuning.blockwise_tiles(call.T, call.S, call.G, jnp.dtype(call.acc_dtype).itemsize)
-        bq = tq if impl.block_q is None else min(call.T, impl.block_q)
-        bk = tk if impl.block_k is None else min(call.S, impl.block_k)
+        given = lambda block, length: block if not isinstance(length, int) else min(length, block)  # noqa: E731
+        bq = tq if impl.block_q is None else given(impl.block_q, call.T)  # a symbolic length: padded to blocks
+        bk = tk if impl.block_k is None else given(impl.block_k, call.S)
         return cls(call.scale, call.softcap, call.precision, call.T, call.S, call.K, call.G, bq, bk,
                    _unit_chunk(call, impl, bq, bk),
                    tuning.cpu_cores() if impl.streams is None else impl.streams, call.platform)

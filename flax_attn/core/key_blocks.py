@@ -182,9 +182,10 @@ class KeyBlocks(Implementation):
         return reason
 
     def preferred(self, call) -> bool:
-        chunk = call.T * self.keys_per_query <= call.S and tuning.keys_stored_as() is not None
-        few = call.T <= self.max_queries or chunk
-        return call.platform == "cpu" and few and call.S >= self.min_blocks * self._block_k(call)
+        # A symbolic query length (jax.export) is few only where its constraints say so.
+        chunk = _checks.decided(lambda: call.T * self.keys_per_query <= call.S) and tuning.keys_stored_as() is not None
+        few = _checks.decided(lambda: call.T <= self.max_queries) or chunk
+        return bool(call.platform == "cpu" and few and call.S >= self.min_blocks * self._block_k(call))
 
     def _block_k(self, call) -> int:
         if tuning.keys_stored_as() == "blocks":  # the cache's own blocks

@@ -210,7 +210,7 @@ keys-major tangent forms of :func:`key_logits` and :func:`softmax_values`."""
 
 def _tangent_keys_major(logits, platform) -> bool:
     R, S = logits.shape[-2:]
-    return platform == "cpu" and min(R, S) >= KEYS_MAJOR_TANGENT_MIN
+    return platform == "cpu" and bool(_checks.decided(lambda: R >= KEYS_MAJOR_TANGENT_MIN and S >= KEYS_MAJOR_TANGENT_MIN))
 
 
 def keys_major_product(rows, keys_tangent, precision, acc, rows_out):
@@ -267,7 +267,7 @@ def key_logits(queries, keys, precision, acc, platform=None):
     reverse mode computes the keys' gradient as ``(q^T ds)^T``.
     """
     R, S = queries.shape[-2], keys.shape[-2]
-    if platform == "cpu" and 1 < R <= FEW_ROWS and S >= FEW_ROWS_MIN_KEYS:
+    if platform == "cpu" and _checks.decided(lambda: 1 < R <= FEW_ROWS and S >= FEW_ROWS_MIN_KEYS):
         t = jnp.einsum("USH,URH->USR", keys, queries, precision=precision, preferred_element_type=acc)
         return jnp.swapaxes(jax.lax.optimization_barrier(t), -1, -2)
     return jnp.einsum("URH,USH->URS", queries, keys, precision=precision, preferred_element_type=acc)
@@ -311,7 +311,7 @@ def reads_heads_in_place(call) -> bool:
     where the regrouped matmuls keep it to its own head; values are not mixed (each unit's
     columns are taken, not summed). Not measured on CPUs without AVX-512, which regroup."""
     return (call.platform == "cpu" and not keys_in_units_order(call.K) and tuning.keys_stored_as() != "blocks"
-            and call.K * call.G * call.T <= DIAGONAL_MAX_COLUMNS and tuning.has_avx512())
+            and _checks.decided(lambda: call.K * call.G * call.T <= DIAGONAL_MAX_COLUMNS) and tuning.has_avx512())
 
 
 def diagonal_queries(queries):
@@ -364,8 +364,8 @@ def weighted_values(weights, values, precision, acc, platform=None):
     form).
     """
     weights = weights.astype(values.dtype)
-    one_row = (platform == "cpu" and weights.shape[-2] == 1 and weights.shape[-1] >= ONE_ROW_PAD_KEYS
-               and tuning.has_avx512())
+    one_row = (platform == "cpu" and _checks.dim_is(weights.shape[-2], (1,))
+               and _checks.decided(lambda: weights.shape[-1] >= ONE_ROW_PAD_KEYS) and tuning.has_avx512())
     if one_row:
         weights = jnp.concatenate([weights, jnp.zeros_like(weights)], axis=-2)
     out = jnp.einsum("...rk,...kh->...rh", weights, values, precision=precision, preferred_element_type=acc)

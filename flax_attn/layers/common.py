@@ -126,8 +126,7 @@ def dense(p: Mapping, x, precision: Any = None):
     kernel, bias = p["kernel"], p.get("bias")
     dtype = jnp.result_type(x, kernel, *(() if bias is None else (bias,)))
     x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
-    rows = math.prod(x.shape[:-1]) if all(isinstance(d, int) for d in x.shape[:-1]) else 0  # 0: symbolic
-    if jax.default_backend() == "cpu" and rows >= LARGE_ROWS:
+    if jax.default_backend() == "cpu" and _checks.decided(lambda: math.prod(x.shape[:-1]) >= LARGE_ROWS):
         if (tuning.projections_as_convolutions() and not jnp.issubdtype(dtype, jnp.complexfloating)
                 and not _explicitly_sharded(x)):
             y = rows_product(x, kernel, precision)
@@ -159,6 +158,14 @@ def rows_product(x, kernel, precision: Any = None):
     return y.reshape(x.shape[:-1] + kernel.shape[-1:])
 
 
+def on_one_cpu_device(platform: Optional[str] = None) -> bool:
+    """Whether programs run on a CPU (``platform``, default JAX's default backend) and JAX sees
+    one device: where the layers may loop over batch rows (:func:`by_row_chunks`) or heads
+    (latent attention's absorbed products). With more devices the batch or the heads may be
+    sharded, and such a loop would cut across the shards."""
+    return (platform or jax.default_backend()) == "cpu" and jax.device_count() == 1
+
+
 ROW_CHUNK_TOKENS = 1024
 """Tokens a step of :func:`by_row_chunks` aims at: ``max(1, ROW_CHUNK_TOKENS // T)`` batch rows."""
 ROW_CHUNK_MIN_TOKENS = 4096
@@ -170,8 +177,7 @@ def row_chunk(B, T, platform: Optional[str] = None) -> Optional[int]:
     tokens on ``platform`` (default: JAX's default backend), or None for the whole batch at once.
     None too where JAX sees more than one device: the batch may be sharded there, and a loop
     over its rows would cut across the shards."""
-    platform = platform or jax.default_backend()
-    if not (isinstance(B, int) and isinstance(T, int)) or platform != "cpu" or jax.device_count() > 1:
+    if not (isinstance(B, int) and isinstance(T, int)) or not on_one_cpu_device(platform):
         return None
     if B * T < ROW_CHUNK_MIN_TOKENS:
         return None
@@ -352,7 +358,16 @@ def check_tokens(owner: str, x, d_in: int, context_length: Optional[int] = None)
     check_floating(owner, "x", x)
     if x.shape[-1] != d_in:
         raise ValueError(f"{owner} input x has shape {x.shape}: its last dim must be d_in={d_in}")
-    if context_length is not None and x.shape[1] > context_length:
+    if context_length is None:
+        return
+    too_long = _checks.decided(lambda: x.shape[1] > context_length)
+    if too_long is None:  # a symbolic length (jax.export) without a bound
+        raise ValueError(
+            f"{owner} input x has a symbolic number of tokens {x.shape[1]} (shape {x.shape}) that may exceed "
+            f"context_length={context_length}: bound it where the shape is made, e.g. "
+            f"jax.export.symbolic_shape('{x.shape[1]}', constraints=('{x.shape[1]} <= {context_length}',))"
+        )
+    if too_long:
         raise ValueError(
             f"{owner} input x has {x.shape[1]} tokens (shape {x.shape}), more than "
             f"context_length={context_length}"

@@ -82,7 +82,7 @@ from flax_attn.core import dot_product_attention, tuning
 from flax_attn.layers.cache import (BLOCK, GROWTH, combined_mask, one_query_key_positions, reserve_slots, resize_slots,
                                     truncate_slots)
 from flax_attn.layers.common import (by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
-                                     linear_params, rms_norm, scale_params)
+                                     linear_params, on_one_cpu_device, rms_norm, scale_params)
 from flax_attn.positional import rope as rope_lib
 
 
@@ -497,7 +497,7 @@ def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_r
     if c.absorb:
         # q_n . k_n = (q_n W_UK^T) . c_kv: multi-query attention over the latents themselves.
         dtype = jnp.result_type(q_nope, kv_b)
-        if B * T <= ROWS_READING_KV_B_IN_PLACE and tuning.ynnpack_fusions_off():
+        if _checks.decided(lambda: B * T <= ROWS_READING_KV_B_IN_PLACE) and tuning.ynnpack_fusions_off():
             # One or two query rows (decoding) in a program without YNNPACK's fusions: products
             # summed where kv_b_proj lies, each half read once and nothing rearranged (float32
             # sums for 16-bit inputs).
@@ -506,7 +506,7 @@ def _mla(c: MLAConfig, params, x, positions, segment_ids, mask, cache, dropout_r
             absorb_values = lambda o: jnp.sum(  # noqa: E731
                 jnp.swapaxes(o, 2, 3)[..., None].astype(acc) * kv_b[..., dn:].astype(acc), axis=2).astype(dtype)
             q_latent = jnp.swapaxes(q_latent, 2, 3).astype(dtype)
-        elif jax.default_backend() == "cpu" and jax.device_count() == 1 and B * T <= ROWS_LOOPING_OVER_HEADS:
+        elif _checks.decided(lambda: B * T <= ROWS_LOOPING_OVER_HEADS) and on_one_cpu_device():
             # A few query rows (decoding) on CPU: one head a step, each head's blocks of
             # kv_b_proj read where they lie (a loop: the program does not grow with the heads).
             kv_b = kv_b.astype(dtype)

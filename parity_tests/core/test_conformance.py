@@ -814,6 +814,35 @@ def test_defect_f_export_with_symbolic_batch(impl, what):
     assert rel_error(got, cached(case.name, lambda: jax.jit(reference_fn(case))(*args))) <= 1e-12
 
 
+@pytest.mark.parametrize("bounds", [(), ("t <= 16", "s <= 16")], ids=["unbounded", "bounded"])
+@pytest.mark.parametrize("impl", [pytest.param(None, id="auto")] + IMPL_PARAMS)
+def test_defect_f_export_with_symbolic_lengths(impl, bounds):
+    """(f) ``jax.export`` of a function's value and gradients with the batch and both lengths
+    symbolic (causal, grouped queries, a bias, soft-capping): unbounded, and bounded by
+    constraints below every size threshold of the paths (which they then decide by). Run at
+    B, T, S = 3, 7, 9 it equals the reference. The automatic choice and the plain path must serve
+    it; another implementation may refuse with a ValueError saying what it does not support."""
+    N, K, H = 4, 2, 8
+    b, t, s = jax.export.symbolic_shape("b, t, s", constraints=bounds)
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float64)
+    case = Case("export-lengths", (3, 7, 9, N, K, H, H), dict(is_causal=True, logit_softcap=3.0), bias=(1, N, 7, 9))
+    f = attention_fn(impl, case.kw)
+    program = jax.jit(lambda q, k, v, bias, cot: value_and_vjp(f, (q, k, v, bias), cot))
+    try:
+        exported = jax.export.export(program)(spec(b, t, N, H), spec(b, s, K, H), spec(b, s, K, H), spec(1, N, t, s),
+                                              spec(b, t, N, H))
+    except ValueError as e:
+        name = getattr(impl, "name", None)
+        if name in (None, "xla") or f"implementation='{name}' does not support" not in str(e):
+            raise
+        pytest.skip(str(e))
+    q, k, v, bias, cot = case.inputs()
+    out, grads = exported.call(q, k, v, bias, cot)
+    want_out, want_grads = reference_results([case])[case.name]
+    errors = [rel_error(out, want_out)] + [rel_error(g, w) for g, w in zip(grads, want_grads)]
+    assert max(errors) <= 1e-12, errors
+
+
 @pytest.mark.parametrize("empty", ["T=0", "S=0"])
 @pytest.mark.parametrize("impl", IMPL_PARAMS)
 @skip_declined

@@ -238,3 +238,58 @@ def test_latent_attention_in_row_chunks_equals_the_whole_batch(absorb):
         whole, _ = run()
     assert loops == [4]
     assert_close(out, whole, np.float64, "latent attention")
+
+
+def _chapter(m):
+    """(init, apply) of a chapter layer without dropout."""
+    return (lambda key, x: m.init(key, x, deterministic=True)), (lambda p, x: m.apply(p, x, deterministic=True))
+
+
+EXPORT_LAYERS = {
+    "Attention gqa-rope-window-qknorm": lambda fa: fa.Attention(fa.AttentionConfig(
+        d_model=32, num_heads=4, num_kv_heads=2, position="rope", sliding_window=3, qk_norm=True)),
+    "Attention alibi-softcap-sinks": lambda fa: fa.Attention(fa.AttentionConfig(
+        d_model=32, num_heads=4, position="alibi", logit_softcap=20.0, sinks=True)),
+    "MLA": lambda fa: fa.MultiHeadLatentAttention(fa.MLAConfig(
+        d_model=32, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)),
+    "MLA absorbed": lambda fa: fa.MultiHeadLatentAttention(fa.MLAConfig(
+        d_model=32, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, absorb=True)),
+    "chapter MultiHeadAttention": lambda fa: fa.MultiHeadAttention(32, 32, 16, 0.0, 4),
+}
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["unbounded", "bounded"])
+@pytest.mark.parametrize("name", list(EXPORT_LAYERS))
+def test_layers_export_with_symbolic_batch_and_length(name, bounded):
+    """``jax.export`` of a layer's output and gradients with the batch and the length symbolic
+    (unbounded, and bounded below every size threshold the layers and the core decide by:
+    the loops over rows or heads, the projections' form, the automatic choice). Run at 3 x 5
+    tokens, it equals the jitted layer at those shapes. The chapter's layers, whose length is
+    bounded by ``context_length``, refuse an unbounded one with a ValueError saying how to bound
+    it."""
+    import flax_attn as fa
+
+    module = EXPORT_LAYERS[name](fa)
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((3, 5, 32)))
+    positions = jnp.broadcast_to(jnp.arange(5), (3, 5))
+    chapter = name.startswith("chapter")
+    if chapter:
+        init, apply = _chapter(module)
+        args, specs_of = (x,), lambda b, t: (jax.ShapeDtypeStruct((b, t, 32), x.dtype),)
+    else:
+        init, apply = (lambda key, x, pos: module.init(key, x, pos)), module.apply
+        args = (x, positions)
+        specs_of = lambda b, t: (jax.ShapeDtypeStruct((b, t, 32), x.dtype), jax.ShapeDtypeStruct((b, t), positions.dtype))
+    params = init(jax.random.key(0), *args)
+    program = jax.jit(lambda p, x, *rest: jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x, *rest) ** 2),
+                                                              argnums=(0, 1))(p, x))
+    b, t = jax.export.symbolic_shape("b, t", constraints=("b <= 8", "t <= 16") if bounded else ())
+    if chapter and not bounded:
+        with pytest.raises(ValueError, match=r"symbolic number of tokens t .* context_length=16.*constraints"):
+            jax.export.export(program)(params, *specs_of(b, t))
+        return
+    exported = jax.export.export(program)(params, *specs_of(b, t))
+    got, want = exported.call(params, *args), program(params, *args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w, np.float64, name)
