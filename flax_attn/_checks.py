@@ -26,8 +26,9 @@ def check_rank(name: str, x, ranks: int | Sequence[int], layout: str) -> None:
 
 
 def dtype_of(x) -> np.dtype:
-    """The dtype of an array, tracer or array-like, without converting tracers."""
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+    """The dtype JAX gives an array, tracer or array-like, without converting tracers: a NumPy
+    float64 array is float32 where ``jax_enable_x64`` is off, as JAX computes it."""
+    return jax.dtypes.canonicalize_dtype(np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype)
 
 
 def check_floating(name: str, x) -> None:

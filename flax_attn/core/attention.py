@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -130,6 +131,7 @@ def dot_product_attention(
       Empty inputs (``B == 0``, ``T == 0`` or ``S == 0``) give an empty output or zeros.
     """
     _checks.check_rank("query", query, (3, 4), "BTNH or TNH")
+    query, key, value = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (query, key, value))  # JAX's dtypes
     unbatched = np.ndim(query) == 3
     if unbatched:
         _checks.check_rank("key", key, 3, "SKH")

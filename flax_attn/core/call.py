@@ -176,7 +176,8 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         rules = mask
     else:
         rules = Mask() if mask is None else mask_lib.dense(mask)
-    keyword = Mask(causal=bool(is_causal), window=mask_lib.normalize_window(local_window_size))
+    keyword = Mask(causal=_checks.static_bool("is_causal", is_causal),
+                   window=mask_lib.normalize_window(local_window_size))
     if query_positions is not None or key_positions is not None:
         if query_positions is None or key_positions is None:
             # one side given: the other takes its default
@@ -224,6 +225,7 @@ def describe(query, key, value, bias=None, mask=None, *, scale=None, is_causal=F
         raise ValueError("dropout_rate > 0 needs dropout_rng (or deterministic=True)")
     return Call(B=B, T=T, S=S, N=N, K=K, H=H, Hv=Hv, dtype=_checks.dtype_of(query), scale=float(scale),
                 softcap=None if logit_softcap is None else float(logit_softcap),
-                dropout_rate=float(dropout_rate), return_weights=bool(return_weights),
-                return_residual=bool(return_residual) or sinks is not None, precision=precision, mask=bound,
+                dropout_rate=float(dropout_rate), return_weights=_checks.static_bool("return_weights", return_weights),
+                return_residual=_checks.static_bool("return_residual", return_residual) or sinks is not None,
+                precision=precision, mask=bound,
                 platform=platform or jax.default_backend(), sinks=sinks)

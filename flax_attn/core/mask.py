@@ -47,6 +47,7 @@ shapes ``(B, N, T, S)``; only a bound description answers block queries.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Optional, Tuple, Union
 
 import jax
@@ -223,9 +224,12 @@ class Mask:
         if self.uses_positions or self.chunk is not None or self.mask_mods:
             qp, kp = self.positions(b, q_start, bq, k_start, bk)
         if self.uses_positions:
-            lower, upper = self.bounds
+            lower, upper = self.bounds  # FAR: no limit on that side, whatever the positions
             delta = qp[:, None] - kp[None, :]
-            allowed = allowed & (delta <= lower) & (delta >= -upper)
+            if lower < FAR:
+                allowed = allowed & (delta <= lower)
+            if upper < FAR:
+                allowed = allowed & (delta >= -upper)
         if self.chunk is not None:
             allowed = allowed & ((qp // self.chunk)[:, None] == (kp // self.chunk)[None, :])
         if self.q_segments is not None:
@@ -316,13 +320,17 @@ class Mask:
             # only rows/columns that exist can make a block non-empty
             q_valid = q_start + jnp.arange(bq) < q_lim
             k_valid = k_start + jnp.arange(bk) < k_lim
-            lo = lambda x, valid: jnp.min(jnp.where(valid, x, FAR))
-            hi = lambda x, valid: jnp.max(jnp.where(valid, x, -FAR))
+            lo = lambda x, valid: jnp.min(jnp.where(valid, x, jnp.iinfo(x.dtype).max))
+            hi = lambda x, valid: jnp.max(jnp.where(valid, x, jnp.iinfo(x.dtype).min))
         if self.uses_positions:
             q_min, q_max, k_min, k_max = lo(qp, q_valid), hi(qp, q_valid), lo(kp, k_valid), hi(kp, k_valid)
             lower, upper = self.bounds
-            empty = empty | (k_min > q_max + upper) | (k_max < q_min - lower)
-            full = full & (k_max <= q_min + upper) & (k_min >= q_max - lower)
+            if upper < FAR:
+                empty = empty | (k_min > q_max + upper)
+                full = full & (k_max <= q_min + upper)
+            if lower < FAR:
+                empty = empty | (k_max < q_min - lower)
+                full = full & (k_min >= q_max - lower)
         if self.chunk is not None:
             qc, kc = qp // self.chunk, kp // self.chunk
             qc_min, qc_max, kc_min, kc_max = lo(qc, q_valid), hi(qc, q_valid), lo(kc, k_valid), hi(kc, k_valid)
@@ -449,11 +457,20 @@ def bind_mod(what: str, fn, example) -> Mod:
         fn = fn.fn
     if not callable(fn):
         raise TypeError(f"{what} must be a function, got {fn!r}")
+    sig = ("(b, n, q_idx, k_idx), int32 scalars" if what == "mask_mod"
+           else "(score, b, n, q_idx, k_idx), a floating score and int32 scalars")
+    try:
+        inspect.signature(fn).bind(*example)
+    except TypeError as e:
+        raise TypeError(f"{what} must take {sig}: {e}") from e
+    except ValueError:  # no signature to read (some builtins): the call below tells
+        pass
     try:
         out = jax.eval_shape(fn, *example)
-    except TypeError as e:
-        sig = "(b, n, q_idx, k_idx)" if what == "mask_mod" else "(score, b, n, q_idx, k_idx)"
-        raise TypeError(f"{what} must take {sig} (int32 scalars, and the float score): {e}") from e
+    except (TypeError, jax.errors.JAXTypeError) as e:
+        raise TypeError(
+            f"{what} failed on traced arguments {sig}: {type(e).__name__}: {e} (rules are traced by "
+            f"JAX, so arrays they index with the arguments must be JAX arrays, e.g. jnp.asarray(...))") from e
     if not hasattr(out, "shape") or out.shape != ():
         raise ValueError(f"{what} must return one value for scalar arguments (it is evaluated elementwise), "
                          f"got {getattr(out, 'shape', out)!r}")
@@ -501,14 +518,16 @@ def normalize_window(local_window_size: Optional[Window]) -> Optional[Tuple[int,
     """
     if local_window_size is None:
         return None
-    is_int = lambda w: isinstance(w, (int, np.integer)) and not isinstance(w, bool)
-    if is_int(local_window_size):
-        window = (int(local_window_size), int(local_window_size))
-    elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 \
-            and all(is_int(w) for w in local_window_size):
-        window = (int(local_window_size[0]), int(local_window_size[1]))
+    size = _checks.static_int(local_window_size)
+    pair = (tuple(_checks.static_int(w) for w in local_window_size)
+            if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 else None)
+    if size is not None:
+        window = (size, size)
+    elif pair is not None and None not in pair:
+        window = pair
     else:
-        raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got {local_window_size!r}")
+        raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints known when the function "
+                        f"is traced, got {local_window_size!r}")
     if window[0] < 0 or window[1] < 0:
         raise ValueError(f"local_window_size must be non-negative, got {local_window_size!r}")
     return window

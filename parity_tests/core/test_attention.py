@@ -197,3 +197,26 @@ def test_empty_batch_or_queries_give_empty_outputs_and_gradients(shape):
     layer = fa.CausalAttention(3, 2, 5, 0.0)
     x = jnp.ones(shape[:2] + (3,))
     assert layer.apply(layer.init(jax.random.key(0), x), x).shape == shape[:2] + (2,)
+
+
+def test_numpy_float64_inputs_take_jaxs_dtype_when_x64_is_off():
+    """With ``jax_enable_x64`` off, NumPy float64 inputs are float32 to JAX, as to
+    ``jax.nn.dot_product_attention``: no dtype mismatch when only the query is traced (a
+    gradient with respect to it alone), no warnings about float64 requested inside, and the
+    same result as float32 arrays."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 6, 2, 8)) for _ in range(3))
+    bias, sinks = rng.standard_normal((1, 2, 6, 6)), rng.standard_normal(2)
+    with jax.enable_x64(False), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        as_f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v, bias)]
+        for impl in (None, "xla", "blockwise"):
+            kw = dict(is_causal=True, sinks=sinks, implementation=impl)
+            out = fa.dot_product_attention(q, k, v, bias, **kw)
+            assert out.dtype == jnp.float32
+            np.testing.assert_array_equal(out, fa.dot_product_attention(*as_f32, **kw))
+            grad = jax.grad(lambda q_: fa.dot_product_attention(q_, k, v, bias, **kw).sum())(jnp.asarray(q))
+            want = jax.grad(lambda q_: fa.dot_product_attention(q_, *as_f32[1:], **kw).sum())(as_f32[0])
+            np.testing.assert_array_equal(grad, want)

@@ -995,6 +995,28 @@ def test_defect_j_reverse_mode_of_vmap_over_mask_arrays(impl):
     assert all(e <= 1e-12 for e in errors.values()), errors
 
 
+def defect_k_cases():
+    """Positions up to 2**31 - 2 apart (int32): a causal rule has no lower limit, so a query
+    sees every earlier key however far back; a window's limits still hold."""
+    B, T, S, N, K, H = 2, 5, 6, 4, 2, 8
+    q_pos = np.array([[0, 3, 300_000_000, 2**30 + 2, 2**31 - 2]] * B, np.int32)
+    k_pos = np.array([[0, 1, 2, 299_999_990, 2**30, 2**31 - 3]] * B, np.int32)
+    pos = dict(query_positions=q_pos, key_positions=k_pos)
+    return [Case("far-causal", (B, T, S, N, K, H, H), dict(is_causal=True, **pos)),
+            Case("far-window", (B, T, S, N, K, H, H), dict(is_causal=True, local_window_size=(10, 0), **pos))]
+
+
+DEFECT_K_CASES = defect_k_cases()
+
+
+@pytest.mark.parametrize("impl", AUTO_AND_IMPLS)
+@skip_declined
+def test_defect_k_positions_far_apart(impl):
+    """(k) Causal and windowed rules over positions up to 2**31 - 2 apart equal the reference
+    (before: a query more than 2**28 after a key could not see it)."""
+    assert_conforms(impl, DEFECT_K_CASES)
+
+
 # ============================================================================ 6. a toy implementation
 
 

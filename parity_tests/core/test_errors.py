@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import flax_attn as fa
@@ -19,6 +20,7 @@ def z(*shape, dtype=f32):
 
 
 Q, K, V = z(2, 5, 4, 8), z(2, 7, 2, 8), z(2, 7, 2, 8)
+_DOCS = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # a NumPy array: a rule must index JAX arrays
 CASES = {
     # dot_product_attention
     "query rank": (lambda: fa.dot_product_attention(z(5, 8), K, V), ValueError,
@@ -65,7 +67,19 @@ CASES = {
     "negative window": (lambda: fa.dot_product_attention(Q, K, V, local_window_size=(-1, 0)), ValueError,
                         "local_window_size must be non-negative, got (-1, 0)"),
     "window not ints": (lambda: fa.dot_product_attention(Q, K, V, local_window_size=2.5), TypeError,
-                        "local_window_size must be an int or a (left, right) pair of ints, got 2.5"),
+                        "local_window_size must be an int or a (left, right) pair of ints known when the function "
+                        "is traced, got 2.5"),
+    "window traced": (lambda: jax.jit(lambda w: fa.dot_product_attention(Q, K, V, local_window_size=w))(2), TypeError,
+                      "local_window_size must be an int or a (left, right) pair of ints known when the function "
+                      "is traced, got JitTracer"),
+    "is_causal traced": (lambda: jax.jit(lambda c: fa.dot_product_attention(Q, K, V, is_causal=c))(True), TypeError,
+                         "is_causal must be known when the function is traced (it decides the program), got a traced "
+                         "value"),
+    "mask_mod indexes a NumPy array": (
+        lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.mask_mod(lambda b, n, qi, ki: _DOCS[b, qi] == _DOCS[b, ki])),
+        TypeError, "mask_mod failed on traced arguments (b, n, q_idx, k_idx), int32 scalars: TracerArrayConversionError"),
+    "mask_mod takes three": (lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.mask_mod(lambda b, qi, ki: qi >= ki)),
+                             TypeError, "mask_mod must take (b, n, q_idx, k_idx), int32 scalars: too many positional arguments"),
     "unknown implementation": (lambda: fa.dot_product_attention(Q, K, V, implementation="pallas"), ValueError,
                                "implementation must be one of ['pallas_decode', 'cudnn', 'splash', 'pallas_triton', 'key_blocks', "
                                "'query_blocks', 'blockwise', 'xla'], got 'pallas'"),
