@@ -47,7 +47,7 @@ from flax_attn.core import mask as mask_lib
 from flax_attn.core import tuning
 from flax_attn.layers.cache import BLOCK, ContextKV, KVCache, combined_mask, one_query_key_positions
 from flax_attn.layers.common import (ParamSpec, by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
-                                     linear_params, norm, norm_params, rms_norm, scale_params, embed_params)
+                                     linear_params, norm, norm_params, rms_norm, embed_params)
 from flax_attn.positional import alibi as alibi_lib
 from flax_attn.positional import rope as rope_lib
 from flax_attn.positional import t5 as t5_lib
@@ -600,6 +600,8 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
         pad = (segment_ids < 0)[:, :, None, None]
         k, v = jnp.where(pad, jnp.zeros_like(k), k), jnp.where(pad, jnp.zeros_like(v), v)
         new_cache = cache.update(k, v, positions, segment_ids)
+        if cache.rolling and T > 1 and cache.holds_window(T, reach):
+            _check_ring_keeps_window(cache, positions, segment_ids, reach)
         if cache.holds_window(T, reach):
             # The new keys are in their slots: attend over the cache itself (no copy); unwritten
             # slots have segment id -1, and the stored positions give causal and window masks.
@@ -650,6 +652,29 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
         )
     out = dense(params["o_proj"], out.reshape(B, T, N * H), precision)
     return out if cache is None else (out, new_cache)
+
+
+def _check_ring_keeps_window(cache, positions, segment_ids, reach: int) -> None:
+    """Raise (at run time, :func:`flax_attn._checks.runtime_check`) where writing these ``T``
+    tokens into a rolling cache overwrites a key that one of them may still see: a query at
+    position p sees the keys of its segment at ``p - reach + 1 .. p``. Without padding in the
+    ring, :meth:`KVCache.holds_window` guarantees it statically; padding after a row's real
+    tokens takes ring slots without moving positions on, so the slots a chunk overwrites may
+    still hold such keys."""
+    T, S = positions.shape[1], cache.max_len
+    slots = (cache.length + jnp.arange(T)) % S  # the slots these tokens overwrite
+    old_positions, old_segments = cache.positions[:, slots], cache.segment_ids[:, slots]  # (B, T)
+    q_pos, q_seg = positions[:, :, None], segment_ids[:, :, None]
+    seen = ((q_seg >= 0) & (old_segments[:, None, :] == q_seg) & (old_positions[:, None, :] <= q_pos)
+            & (old_positions[:, None, :] > q_pos - reach))
+    written = jnp.arange(S) < cache.length  # slots holding a token (padding or real)
+    pads = jnp.max(jnp.sum(written & (cache.segment_ids < 0), axis=1))
+    _checks.runtime_check(
+        ~jnp.any(seen),
+        "a rolling cache of max_len={max_len} cannot take {new} tokens at once here: padding after a row's real "
+        "tokens ({pads} slots) leaves the ring too few slots for the keys they still see (a reach of {reach}); "
+        "feed them in smaller pieces, left-pad instead, or create the cache with max_len >= {need}",
+        max_len=S, new=T, pads=pads, reach=reach, need=pads + reach + T - 1)
 
 
 class Attention(nn.Module):

@@ -357,13 +357,17 @@ def resize_slots(cache, max_len: int, **fills):
     def sized(buf, fill):
         axis, n = (0, max_len // block) if block is not None and buf.ndim == 4 else (1, max_len)
         have = buf.shape[axis]
-        if n <= have:
+        if n == have:
+            return jnp.array(buf, copy=True)
+        if n < have:
             return jax.lax.slice_in_dim(buf, 0, n, axis=axis)
         pad = [(0, 0)] * buf.ndim
         pad[axis] = (0, n - have)
         return jnp.pad(buf, pad, constant_values=jnp.asarray(fill, buf.dtype))
 
-    return cache.replace(**{name: sized(getattr(cache, name), fill) for name, fill in fills.items()})
+    # A copy: nothing shared with ``cache``, which a step may donate (or keep) independently.
+    return cache.replace(length=jnp.array(cache.length, copy=True),
+                         **{name: sized(getattr(cache, name), fill) for name, fill in fills.items()})
 
 
 def truncate_slots(cache, length, **fills):

@@ -100,6 +100,38 @@ def test_right_padding_into_a_rolling_cache_needs_room_behind_it(jit):
           cache=config.init_cache(batch=1, max_len=3, rolling=True))
 
 
+@pytest.mark.parametrize("pads, real, chunk", [(5, 1, 3), (1, 3, 2), (3, 3, 4), (2, 4, 3)])
+def test_a_chunk_after_right_padding_into_a_rolling_cache_equals_the_unpadded_pass_or_is_refused(pads, real, chunk):
+    """A chunk of several tokens after right padding in a ring: the padding's slots are not
+    keys, so the chunk's writes may overwrite keys its first queries still see. Where they would,
+    the call is refused (naming a max_len that suffices); with that max_len the chunk equals
+    the pass over the row without its padding, and so do the tokens fed one at a time."""
+    config, layer, params, x, _ = _setup({"sliding_window": 3}, T=pads + real + chunk, B=1)
+    seg = jnp.array([[0] * real + [-1] * pads])
+    pos = jnp.array([list(range(real)) + [0] * pads])
+    new = x[:, real + pads:]
+    new_pos, new_seg = jnp.arange(real, real + chunk)[None], jnp.zeros((1, chunk), jnp.int32)
+    full = layer.apply(params, jnp.concatenate([x[:, :real], new], axis=1), jnp.arange(real + chunk)[None])
+    smallest = pads + config.cache_window  # what the padded call itself needs
+    step = fa.decode_step(layer)
+    prefill = lambda max_len: step(params, config.init_cache(batch=1, max_len=max_len, rolling=True),  # noqa: E731
+                                   x[:, :real + pads], pos, seg)[1]
+    with pytest.raises(ValueError, match=rf"max_len={smallest} cannot take {chunk} tokens at once here: padding "
+                                         rf"after a row's real tokens \({pads} slots\).* max_len >= "
+                                         rf"{pads + config.cache_window + chunk - 1}"):
+        step(params, prefill(smallest), new, new_pos, new_seg)
+        step.check()
+    cache = prefill(smallest)
+    for t in range(chunk):  # one token at a time fits the same ring
+        out, cache = step(params, cache, new[:, t:t + 1], new_pos[:, t:t + 1], new_seg[:, t:t + 1])
+        assert_close(out[:, 0], full[:, real + t], np.float32, f"one token at position {real + t}")
+    step.check()
+    need = pads + config.cache_window + chunk - 1
+    out, _ = step(params, prefill(need), new, new_pos, new_seg)
+    step.check()
+    assert_close(out, full[:, real:], np.float32, f"a chunk of {chunk} in a ring of {need}")
+
+
 def test_a_cache_of_another_kind_is_refused():
     config, layer, params, x, positions = _setup({})
     latent = fa.MLAConfig(d_model=D, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2,
@@ -371,6 +403,11 @@ def test_reserve_grows_the_cache_as_tokens_arrive(layout, block):
     np.testing.assert_array_equal(shrunk.keys()[:, :11], cache.keys()[:, :11])
     out, _ = layer.apply(params, x[:, 10:], positions[:, 10:], cache=shrunk.truncate(10))
     assert_close(out, full[:, 10:], np.float32, "after resizing down")
+    # resize gives a copy, to any size: a step that donates it leaves the original whole
+    for size in (cache.max_len, 2 * cache.max_len):
+        _, stepped = step(params, cache.resize(size), x[:, 10:], positions[:, 10:] + 1)
+        assert int(cache.length) == 11 and int(stepped.length) == 12
+        np.testing.assert_array_equal(cache.keys()[:, :11], stepped.keys()[:, :11])
 
 
 def test_resize_and_reserve_check_their_arguments():
