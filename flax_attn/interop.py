@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from flax_attn import _checks
 from flax_attn.layers import Attention, LearnedPositionalEmbedding, MultiHeadLatentAttention
 from flax_attn.textbook import (
     CausalAttention,
@@ -180,6 +181,25 @@ def _as_numpy(value) -> np.ndarray:
         raise TypeError(f"{e} (torch_ref.state_dict_to_numpy converts any torch state_dict)") from None
 
 
+def check_floating_dtype(dtype) -> np.dtype:
+    """``dtype`` as a NumPy dtype: a floating dtype JAX holds as it is (TypeError otherwise)."""
+    try:
+        want = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be a floating dtype such as jnp.float32, got {dtype!r}") from None
+    if not is_floating(want):
+        raise TypeError(f"dtype must be a floating dtype such as jnp.float32, got {want}")
+    if np.dtype(jax.dtypes.canonicalize_dtype(want)) != want:
+        raise TypeError(f"dtype={want} cannot be held while 64-bit types are off (jax_enable_x64 is False): "
+                        f"enable them or choose dtype=jnp.{jax.dtypes.canonicalize_dtype(want)}")
+    return want
+
+
+def is_floating(dtype) -> bool:
+    """A floating NumPy dtype, bfloat16 included."""
+    return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
+
+
 def _kept_dtype(value_dtype: np.dtype, dtype) -> tuple[Optional[np.dtype], Optional[str]]:
     """The dtype an entry becomes and, if it cannot be kept silently, why (a problem to list)."""
     if dtype is None:
@@ -214,15 +234,7 @@ def params_from_state_dict(state_dict: Mapping[str, Any], template, *,
       TypeError: ``dtype`` is not a floating dtype JAX holds as it is.
     """
     if dtype is not None:
-        try:
-            want = np.dtype(dtype)
-        except TypeError:
-            raise TypeError(f"dtype must be a floating dtype such as jnp.float32, got {dtype!r}") from None
-        if not (np.issubdtype(want, np.floating) or want.name == "bfloat16"):
-            raise TypeError(f"dtype must be a floating dtype such as jnp.float32, got {want}")
-        if np.dtype(jax.dtypes.canonicalize_dtype(want)) != want:
-            raise TypeError(f"dtype={want} cannot be held while 64-bit types are off (jax_enable_x64 is False): "
-                            f"enable them or choose dtype=jnp.{jax.dtypes.canonicalize_dtype(want)}")
+        check_floating_dtype(dtype)
     buffers = dict(buffers or {})
     flat_template = traverse_util.flatten_dict(template)
     expected = {torch_name(p): p for p in flat_template}
@@ -242,7 +254,7 @@ def params_from_state_dict(state_dict: Mapping[str, Any], template, *,
         except (TypeError, ValueError) as e:
             problems.append(f"entry '{name}' is not an array: {e}")
             continue
-        if not (np.issubdtype(value.dtype, np.floating) or value.dtype.name == "bfloat16"):
+        if not is_floating(value.dtype):
             problems.append(f"entry '{name}' has dtype {value.dtype}, expected a floating dtype")
             continue
         want = tuple(np.shape(flat_template[path]))
@@ -338,6 +350,8 @@ def to_torch_state_dict(module, variables=None) -> dict[str, np.ndarray]:
         f"parameter {'/'.join(p)} has shape {tuple(np.shape(got[p]))}, expected {tuple(want[p].shape)}"
         for p in sorted(set(got) & set(want)) if tuple(np.shape(got[p])) != tuple(want[p].shape)
     ]
+    problems += [f"parameter {'/'.join(p)} has dtype {_checks.dtype_of(got[p])}, expected a floating dtype"
+                 for p in sorted(set(got) & set(want)) if not is_floating(_checks.dtype_of(got[p]))]
     if problems:
         raise StateDictError("params do not fit the module:\n  " + "\n  ".join(problems))
     return params_to_state_dict(params, buffers=twin_of(module).buffers(module))

@@ -147,6 +147,9 @@ def test_to_torch_rejects_params_of_another_configuration():
     variables = interop.init_example(other, jax.random.key(0))
     with pytest.raises(fa.StateDictError, match="parameter W_query/kernel has shape"):
         fa.to_torch_state_dict(f, variables)
+    ints = jax.tree.map(lambda x: x.astype(jnp.int32), interop.init_example(f, jax.random.key(0)))
+    with pytest.raises(fa.StateDictError, match="parameter W_key/kernel has dtype int32, expected a floating dtype"):
+        fa.to_torch_state_dict(f, ints)
 
 
 @pytest.mark.parametrize("cfg", [

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from flax_attn.hf import families as fam
+from flax_attn.interop import check_floating_dtype, is_floating
 from flax_attn.layers.attention import Attention, AttentionConfig
 from flax_attn.layers.mla import MLAConfig, MultiHeadLatentAttention, mla_params
 
@@ -62,11 +63,16 @@ class HFAttention:
 WeightsLike = Union[str, os.PathLike, Mapping[str, Any]]
 
 
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
 def read_weights(weights: WeightsLike) -> dict:
-    """Names -> NumPy arrays from a safetensors file (or a directory of ``*.safetensors``
-    shards) or a mapping of names to array-likes."""
+    """Names -> NumPy arrays from a mapping of names to array-likes, a ``.safetensors`` file, a
+    sharded checkpoint's index (``model.safetensors.index.json``: each weight read from the shard
+    its ``weight_map`` names, and nothing else), or a directory: its index if it has one, else
+    its ``*.safetensors`` files, of which no two may hold the same name."""
     if isinstance(weights, Mapping):
-        return {k: np.asarray(v) for k, v in weights.items()}
+        return {name: _as_array(name, value) for name, value in weights.items()}
     path = os.fspath(weights)
     try:
         from safetensors.numpy import load_file  # optional: pip install safetensors
@@ -74,14 +80,57 @@ def read_weights(weights: WeightsLike) -> dict:
         raise ImportError("reading a safetensors file needs the safetensors package (pip install safetensors), "
                           "or pass a mapping of names to NumPy arrays") from e
     if os.path.isdir(path):
+        indexes = sorted(f for f in os.listdir(path) if f.endswith(INDEX_SUFFIX))
+        if len(indexes) > 1:
+            raise ValueError(f"{path} holds several shard indexes {indexes}: pass the one to read")
+        if indexes:
+            return _read_index(os.path.join(path, indexes[0]), load_file)
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
-        out = {}
+        out, source = {}, {}
         for f in files:
-            out.update(load_file(os.path.join(path, f)))
+            for name, value in load_file(os.path.join(path, f)).items():
+                if name in out:
+                    raise ValueError(f"weight {name!r} is in both {source[name]} and {f} in {path} (and no "
+                                     f"*{INDEX_SUFFIX} says which to read): remove the stray file")
+                out[name], source[name] = value, f
         return out
+    if path.endswith(INDEX_SUFFIX):
+        return _read_index(path, load_file)
     return dict(load_file(path))
+
+
+def _read_index(index_path: str, load_file) -> dict:
+    """The weights a sharded checkpoint's index lists, each from the shard it names."""
+    import json
+
+    with open(index_path) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path} has no 'weight_map' (a mapping of weight names to shard files)")
+    folder, out = os.path.dirname(index_path), {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = os.path.join(folder, shard)
+        if not os.path.exists(shard_path):
+            raise FileNotFoundError(f"{index_path} lists shard {shard}, which is not in {folder or '.'}")
+        tensors = load_file(shard_path)
+        for name in (n for n, s in weight_map.items() if s == shard):
+            if name not in tensors:
+                raise ValueError(f"{index_path} puts {name!r} in {shard}, which does not hold it")
+            out[name] = tensors[name]
+    return out
+
+
+def _as_array(name: str, value) -> np.ndarray:
+    """A NumPy array of a weight given as an array-like; a torch tensor NumPy cannot take
+    (bfloat16, one that requires grad) is a TypeError naming the weight and the fix."""
+    try:
+        return np.asarray(value)
+    except (TypeError, RuntimeError, ValueError) as e:
+        raise TypeError(f"weight {name!r} is not an array NumPy can read ({type(e).__name__}: {e}); for a torch "
+                        f"state_dict pass {{k: v.detach().float().numpy() ...}}, or the .safetensors files "
+                        f"(bfloat16 kept)") from None
 
 
 def fused_indices(layout: str, N: int, K: int, H: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -127,7 +176,8 @@ def _layer_count(root, template, names) -> int:
     if not found:
         return 0
     if found != set(range(max(found) + 1)):
-        raise KeyError(f"layers of {root + template} are not numbered 0..{max(found)}: {sorted(found)}")
+        raise ValueError(f"layers of {root + template} are not numbered 0..{max(found)}: {sorted(found)} "
+                         f"(a missing shard?)")
     return max(found) + 1
 
 
@@ -173,7 +223,7 @@ class _Taker:
             return None
         value = self.weights[name]
         dtype = np.asarray(value).dtype
-        if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
+        if not is_floating(dtype):
             raise TypeError(f"weight {name!r} has dtype {dtype}, not a floating dtype")
         self.used.add(name)
         return value
@@ -211,6 +261,8 @@ def load_attention(config: dict, weights: WeightsLike, *, dtype=None) -> list[HF
     """
     family = fam.family_of(config)
     fam.check_supported(family, config)
+    if dtype is not None:
+        dtype = check_floating_dtype(dtype)
     w = read_weights(weights)
     root = _root(family, w)
     take = _Taker(w)
@@ -231,7 +283,25 @@ def load_attention(config: dict, weights: WeightsLike, *, dtype=None) -> list[HF
             if dtype is not None:
                 params = _cast(params, dtype)
             layers.append(HFAttention(prefix, stack.stack, stack.kind, i, cfg, params))
+    _check_leftovers([layer.name for layer in layers], take)
     return layers
+
+
+# Tensors a checkpoint may keep inside an attention module that are not parameters: older
+# transformers saved GPT-2's, GPT-J's and GPT-NeoX's causal-mask buffers and rotary inv_freq.
+_BUFFERS = re.compile(r"\.(bias|masked_bias)$|\.rotary_emb(\.|$)")
+
+
+def _check_leftovers(prefixes, take: "_Taker") -> None:
+    """ValueError listing the weights inside the loaded attention modules that no layer took: a
+    QK-norm the config does not enable, a projection it does not know. Weights outside them (the
+    MLP, embeddings) are not attention's."""
+    left = sorted(n for n in take.weights if n not in take.used and any(n.startswith(p + ".") for p in prefixes)
+                  and not _BUFFERS.search(n[len(next(p for p in prefixes if n.startswith(p + "."))):]))
+    if left:
+        raise ValueError("weights inside the attention modules that the config does not use (a feature the "
+                         "config leaves off, e.g. qk-norm, or another model's config?):\n  "
+                         + "\n  ".join(f"{n} {tuple(np.shape(take.weights[n]))}" for n in left))
 
 
 def _cast(tree, dtype):
@@ -248,6 +318,9 @@ def _layer_params(family, config, cfg: AttentionConfig, prefix: str, take: _Take
         if fw.shape != expected:
             raise ValueError(f"{prefix}.{family.fused}.weight has shape {fw.shape} (as (out, in)); "
                              f"N={N}, K={K}, H={H}, D={cfg.d_model} need {expected}")
+        if fb is not None and np.shape(fb) != expected[:1]:
+            raise ValueError(f"{prefix}.{family.fused}.bias has shape {np.shape(fb)}; N={N}, K={K}, H={H} need "
+                             f"{expected[:1]}")
         qi, ki, vi = fused_indices(family.fused_layout(config), N, K, H)
         raw = {n: (fw[ix], None if fb is None else np.asarray(fb)[ix]) for n, ix in (("q", qi), ("k", ki), ("v", vi))}
         conv = False

@@ -203,6 +203,76 @@ def test_safetensors_file_and_dtype(tmp_path):
     assert as64[0].params["q_proj"]["kernel"].dtype == np.float64
 
 
+def test_sharded_checkpoints_follow_their_index(tmp_path):
+    """A directory with a shard index reads each weight from the shard it names (a stray file
+    beside it is not read); the index file itself may be given; a shard it lists must exist.
+    Without an index, two files holding one name are refused."""
+    safetensors = pytest.importorskip("safetensors.numpy")
+    weights = {k: v.astype(np.float32) for k, v in _llama_weights(np.random.default_rng(2), layers=2).items()}
+    shards = {"model-00001-of-00002.safetensors": [k for k in weights if ".0." in k],
+              "model-00002-of-00002.safetensors": [k for k in weights if ".1." in k]}
+    for shard, names in shards.items():
+        safetensors.save_file({k: weights[k] for k in names}, str(tmp_path / shard))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: s for s, ns in shards.items() for k in ns}}))
+    stray = "model.layers.0.self_attn.q_proj.weight"
+    safetensors.save_file({stray: np.zeros((8, 8), np.float32)}, str(tmp_path / "model.safetensors"))
+    config = {**LLAMA, "num_hidden_layers": 2}
+    for source in (tmp_path, index):
+        layers = fhf.load_attention(config, source)
+        np.testing.assert_array_equal(layers[0].params["q_proj"]["kernel"], weights[stray].T)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(FileNotFoundError, match="lists shard model-00002-of-00002.safetensors, which is not in"):
+        fhf.load_attention(config, tmp_path)
+    os.remove(index)
+    with pytest.raises(ValueError, match=rf"weight '{stray}' is in both model-00001-of-00002.safetensors and "
+                                         rf"model.safetensors"):
+        fhf.load_attention(config, tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers of model.layers.\{i\}.self_attn are not numbered 0..0|declares "
+                                         r"num_hidden_layers=2 but the weights hold 1"):
+        fhf.load_attention(config, tmp_path)
+
+
+def test_weights_inside_attention_that_the_config_leaves_unused_are_refused():
+    """Loading is strict inside the attention modules: a QK-norm the config does not enable, or
+    an unknown weight, is listed; the buffers older checkpoints kept there (causal-mask
+    buffers, rotary inv_freq) and the weights of other modules are not."""
+    weights = _llama_weights(np.random.default_rng(3))
+    p = "model.layers.0.self_attn."
+    extra = {p + "q_norm.weight": np.ones(4), p + "k_norm.weight": np.ones(4), p + "gate.weight": np.ones((2, 8))}
+    with pytest.raises(ValueError, match=r"the config does not use .*:\n  model.layers.0.self_attn.gate.weight \(2, 8\)"
+                                         r"\n  model.layers.0.self_attn.k_norm.weight \(4,\)\n  "
+                                         r"model.layers.0.self_attn.q_norm.weight \(4,\)$"):
+        fhf.load_attention(LLAMA, {**weights, **extra})
+    buffers = {p + "rotary_emb.inv_freq": np.ones(2), p + "bias": np.ones((1, 1, 4, 4)), p + "masked_bias": np.ones(()),
+               "model.layers.0.mlp.up_proj.weight": np.ones((8, 8)), "model.layers.0.self_attn_norm.weight": np.ones(8)}
+    assert len(fhf.load_attention(LLAMA, {**weights, **buffers})) == 1
+
+
+def test_fused_bias_dtype_and_torch_tensors_are_checked():
+    """A fused projection's bias must have its (N + 2K) H features (it was cut, or indexed past
+    its end); dtype= must be floating; an array NumPy cannot read is named with the fix."""
+    rng = np.random.default_rng(4)
+    gpt2 = {"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1, "n_positions": 16}
+    weights = {"h.0.attn.c_attn.weight": rng.standard_normal((8, 24)), "h.0.attn.c_attn.bias": rng.standard_normal(24),
+               "h.0.attn.c_proj.weight": rng.standard_normal((8, 8)), "h.0.attn.c_proj.bias": rng.standard_normal(8)}
+    assert len(fhf.load_attention(gpt2, weights)) == 1
+    for n in (30, 20):
+        with pytest.raises(ValueError, match=rf"h.0.attn.c_attn.bias has shape \({n},\); N=2, K=2, H=4 need \(24,\)"):
+            fhf.load_attention(gpt2, {**weights, "h.0.attn.c_attn.bias": rng.standard_normal(n)})
+    with pytest.raises(TypeError, match="dtype must be a floating dtype such as jnp.float32, got int8"):
+        fhf.load_attention(gpt2, weights, dtype=np.int8)
+
+    class Unreadable:  # a torch tensor NumPy cannot take (bfloat16, or one that requires grad)
+        def __array__(self, *args, **kwargs):
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad")
+
+    with pytest.raises(TypeError, match=r"weight 'h.0.attn.c_proj.bias' is not an array NumPy can read \(RuntimeError: "
+                                        r"Can't call numpy\(\).*v.detach\(\).float\(\).numpy\(\)"):
+        fhf.load_attention(gpt2, {**weights, "h.0.attn.c_proj.bias": Unreadable()})
+
+
 def test_gemma_norms_and_whisper_missing_bias():
     rng = np.random.default_rng(2)
     gemma = {"model_type": "gemma3_text", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
