@@ -311,6 +311,7 @@ def _cast(tree, dtype):
 def _layer_params(family, config, cfg: AttentionConfig, prefix: str, take: _Taker, extra: dict):
     N, K, H = cfg.num_heads, cfg.kv_heads, cfg.kv_head_dim
     g = lambda name, required=True: take.get(f"{prefix}.{name}", required)
+    sources = {}  # our parameter -> the checkpoint's name, for the shape check's message
     if family.fused:
         fw, fb = g(f"{family.fused}.weight"), g(f"{family.fused}.bias", False)
         fw = np.asarray(fw).T if family.conv1d else np.asarray(fw)  # (out, in)
@@ -327,6 +328,8 @@ def _layer_params(family, config, cfg: AttentionConfig, prefix: str, take: _Take
     else:
         raw = {n: (g(f"{getattr(family, n)}.weight"), g(f"{getattr(family, n)}.bias", False)) for n in "qkv"}
         conv = family.conv1d
+        sources = {f"{n}_proj/{leaf}": f"{prefix}.{getattr(family, n)}.{theirs}"
+                   for n in "qkv" for leaf, theirs in (("kernel", "weight"), ("bias", "bias"))}
     ow, ob = g(f"{family.o}.weight"), g(f"{family.o}.bias", False)
     # Each projection has a bias exactly when the checkpoint has one (Whisper: q and v, not k).
     qkv_bias = tuple(raw[n][1] is not None for n in "qkv")
@@ -345,7 +348,10 @@ def _layer_params(family, config, cfg: AttentionConfig, prefix: str, take: _Take
     if family.sinks:
         params["sinks"] = np.asarray(g(family.sinks))
     params.update(extra)
-    _check_shapes(prefix, cfg, params)
+    sources.update({f"o_proj/{leaf}": f"{prefix}.{family.o}.{theirs}" for leaf, theirs in (("kernel", "weight"),
+                                                                                          ("bias", "bias"))})
+    _check_shapes(prefix, cfg, params, {ours: (name, take.weights[name]) for ours, name in sources.items()
+                                        if name in take.weights})
     return cfg, params
 
 
@@ -370,9 +376,11 @@ def _has_qk_norm(params) -> bool:
     return "q_norm" in params
 
 
-def _check_shapes(prefix, cfg, params):
+def _check_shapes(prefix, cfg, params, sources=None):
     """ValueError listing every parameter of ``params`` missing or misshapen for ``cfg`` (an
-    AttentionConfig or an MLAConfig)."""
+    AttentionConfig or an MLAConfig); ``sources``: our parameter path -> (the checkpoint's
+    name, its array), named beside a misshapen one."""
+    sources = sources or {}
     from flax_attn.layers.attention import attention_params
     from flax_attn.layers.common import ParamSpec
 
@@ -383,7 +391,9 @@ def _check_shapes(prefix, cfg, params):
                 bad.append(f"{path}{k}: missing")
             elif isinstance(v, ParamSpec):
                 if tuple(np.shape(got[k])) != tuple(v.shape):
-                    bad.append(f"{path}{k}: shape {np.shape(got[k])}, the layer needs {v.shape}")
+                    name, stored = sources.get(f"{path}{k}", (None, None))
+                    source = "" if name is None else f" (the checkpoint's {name}, stored {np.shape(stored)})"
+                    bad.append(f"{path}{k}: shape {np.shape(got[k])}{source}, the layer needs {v.shape}")
             else:
                 bad += walk(v, got[k], f"{path}{k}/")
         return bad

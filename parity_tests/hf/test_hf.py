@@ -121,7 +121,9 @@ def test_unknown_family_and_bad_weights():
     with pytest.raises(KeyError, match="missing weight 'model.layers.0.self_attn.o_proj.weight'"):
         fhf.load_attention(config, {k: v for k, v in weights.items() if "o_proj" not in k})
     weights["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 8))
-    with pytest.raises(ValueError, match=r"k_proj/kernel: shape \(8, 8\), the layer needs \(8, 4\)"):
+    with pytest.raises(ValueError, match=r"k_proj/kernel: shape \(8, 8\) \(the checkpoint's "
+                                         r"model.layers.0.self_attn.k_proj.weight, stored \(8, 8\)\), the layer needs "
+                                         r"\(8, 4\)"):
         fhf.load_attention(config, weights)
 
 
