@@ -56,7 +56,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
-from flax_attn.interop import param_template
+from flax_attn import _checks
+from flax_attn.interop import is_floating, param_template
 
 LOCK_NAME = ".flax_attn-save.lock"
 CHECKSUM_FORMAT = 1
@@ -291,9 +292,13 @@ def save(directory, step: int, module, variables, *, keep: Optional[int] = None)
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     _check_linen(module, "save")
-    if not isinstance(variables, dict) or "params" not in variables:
+    if not isinstance(variables, Mapping) or "params" not in variables:
         raise TypeError("variables must be a dict with a 'params' collection, as module.init returns")
+    variables = _as_dict(variables)  # a FrozenDict too
     problems = _param_differences(variables["params"], param_template(module), "variables")
+    problems += [f"parameter {'/'.join(p)} has dtype {_checks.dtype_of(v)}; parameters are floating-point"
+                 for p, v in sorted(traverse_util.flatten_dict(variables["params"]).items())
+                 if not is_floating(_checks.dtype_of(v))]
     if problems:
         raise CheckpointMismatchError(f"variables do not fit {type(module).__name__} (nothing was saved):\n  "
                                       + "\n  ".join(problems))

@@ -184,7 +184,14 @@ def test_save_checks_the_variables_and_the_module(tmp_path):
     assert "nothing was saved" in str(err.value)
     assert "parameter k_proj/kernel has shape (8, 4) in variables, (8, 8) in the module" in str(err.value)
     assert "variables has parameter q_norm/scale the module does not" in str(err.value)
+    ints = jax.tree.map(lambda x: x.astype(jnp.int32), _init(m))
+    with pytest.raises(ck.CheckpointMismatchError, match="parameter k_proj/kernel has dtype int32; parameters are "
+                                                         "floating-point"):
+        ck.save(tmp_path, 0, m, ints)
     assert ck.steps(tmp_path) == []
+    import flax
+    ck.save(tmp_path, 0, m, flax.core.freeze(_init(m)))  # a FrozenDict is a dict of collections too
+    assert ck.steps(tmp_path) == [0]
     from flax import nnx
     layer = fa.nnx.Attention(fa.AttentionConfig(d_model=8, num_heads=2), rngs=nnx.Rngs(0))
     for call in (lambda: ck.save(tmp_path, 0, layer, fa.nnx.to_linen(layer)), lambda: ck.restore(tmp_path, layer)):
