@@ -39,8 +39,10 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     """The jitted decoding step of ``layer``: ``(out, cache) = layer(x, positions, cache=cache)``.
 
     The step compiles once per input shape (one prefill shape, one step shape), runs
-    deterministically (no dropout) and, with ``donate=True``, donates the cache so that it is
-    updated in place. The cache given to a step must not be used again (JAX deletes its
+    deterministically (no dropout: a flax_attn layer is called with ``deterministic=True``;
+    an NNX module in eval mode, ``module.eval()`` on the step's own copy, every submodule
+    included; a Linen container must pass ``deterministic`` to its layers itself) and, with
+    ``donate=True``, donates the cache so that it is updated in place. The cache given to a step must not be used again (JAX deletes its
     buffers): keep the one the step returns.
 
     **Run-time checks** (cache overflow, positions going backwards, ...) run inside the
@@ -161,17 +163,22 @@ def decode_loop(layer, next_input: Callable, *, donate: bool = True,
     call, nnx_state = _cached_call(layer, "decode_loop")
 
     def run(state, cache, x, positions, key, steps):
+        # An NNX module's state goes through the scan's carry: a module that runs NNX transforms
+        # of its own (nnx.scan over stacked layers, nnx.remat) cannot merge state closed over
+        # from the trace outside the loop.
         def body(carry, t):
-            cache, x = carry
-            (out, cache), checks = _checked(call)(state, cache, x, positions + t, None)
+            carried, cache, x = carry
+            (out, cache), checks = _checked(call)(state if carried is None else carried, cache, x, positions + t,
+                                                  None)
             x_next, emitted = next_input(out) if key is None else next_input(out, jax.random.fold_in(key, t))
             if jnp.shape(x_next) != jnp.shape(x) or jnp.result_type(x_next) != jnp.result_type(x):
                 raise ValueError(f"decode_loop's next_input must return the next input of x's shape and dtype "
                                  f"{jnp.shape(x)} {jnp.result_type(x)}, got {jnp.shape(x_next)} "
                                  f"{jnp.result_type(x_next)}")
-            return (cache, x_next), (emitted, checks)
+            return (carried, cache, x_next), (emitted, checks)
 
-        (cache, _), (emitted, checks) = jax.lax.scan(body, (cache, x), jnp.arange(steps, dtype=jnp.int32))
+        init = (None if nnx_state is None else state, cache, x)
+        (_, cache, _), (emitted, checks) = jax.lax.scan(body, init, jnp.arange(steps, dtype=jnp.int32))
         return (emitted, cache), checks
 
     jitted = tuning.jit(run, static_argnums=(5,), donate_argnums=(1,) if donate else (),
@@ -249,6 +256,7 @@ def _cached_call(layer, who: str):
 
     def call_nnx(state, cache, x, positions, segment_ids):
         module = nnx.merge(graphdef, state)
+        module.eval()  # this copy only: no dropout in any submodule (the caller's module keeps its mode)
         args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
         return module(*args, cache=cache, **_deterministic(module))
 

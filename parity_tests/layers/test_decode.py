@@ -260,6 +260,70 @@ def test_decode_loop_equals_a_loop_of_steps():
     np.testing.assert_allclose(got_nnx, got, rtol=1e-6, atol=1e-6)
 
 
+class _NNXStack(nnx.Module):
+    """Two fa.nnx.Attention layers made by nnx.vmap and applied by nnx.scan (the stacked-layer
+    pattern of NNX), a residual around each; its caches stacked on a leading layer axis."""
+
+    def __init__(self, config, rngs):
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return fa.nnx.Attention(config, rngs=rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x, positions, cache=None):
+        if cache is None:
+            @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+            def full(layer, h, positions):
+                return h + layer(h, positions)
+
+            return full(self.layers, x, positions)
+
+        @nnx.scan(in_axes=(0, nnx.Carry, None, 0), out_axes=(nnx.Carry, 0))
+        def cached(layer, h, positions, c):
+            out, c = layer(h, positions, cache=c)
+            return h + out, c
+
+        return cached(self.layers, x, positions, cache)
+
+
+def test_nnx_containers_decode_in_eval_mode_through_their_own_transforms():
+    """An NNX model that runs NNX transforms itself (nnx.scan over nnx.vmap-made layers) decodes
+    through decode_step and decode_loop alike, equal to its uncached pass; left in training mode
+    with attention dropout, its steps still drop nothing (the step's copy runs in eval mode),
+    and the model itself stays in training mode."""
+    config = fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2, position="rope", dropout=0.5)
+    model = _NNXStack(config, nnx.Rngs(params=0, dropout=1))
+    model.train()
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 8, D)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    caches = lambda: jax.tree.map(lambda a: jnp.stack([a, a]), config.init_cache(2, 12, dtype=jnp.float32))  # noqa: E731
+    model.eval()
+    full = model(x, positions)
+    model.train()
+    step = fa.decode_step(model)
+    out, cache = step(caches(), x[:, :5], positions[:, :5])
+    assert_close(out, full[:, :5], np.float32, "prefill in training mode")
+    outs = []
+    for t in range(5, 8):
+        o, cache = step(cache, x[:, t:t + 1], positions[:, t:t + 1])
+        outs.append(o)
+    step.check()
+    assert_close(jnp.concatenate(outs, axis=1), full[:, 5:], np.float32, "steps in training mode")
+    _, cache = step(caches(), x[:, :5], positions[:, :5])
+    got, _ = fa.decode_loop(model, lambda out: (out, out))(cache, x[:, 5:6], positions[:, 5:6], 3)
+    want = [full[:, 5:6]]  # the loop feeds each output back as the next input: compare with steps doing so
+    _, cache = step(caches(), x[:, :5], positions[:, :5])
+    xt = x[:, 5:6]
+    for t in range(5, 8):
+        xt, cache = step(cache, xt, positions[:, t:t + 1])
+        want.append(xt)
+    assert_close(got, jnp.stack(want[1:]), np.float32, "decode_loop vs decode_step")
+    dropped = model(x, positions)  # the model itself is still in training mode: its own calls drop
+    assert float(jnp.max(jnp.abs(dropped - full))) > 0.1
+
+
 def test_decode_loop_keys_and_errors():
     config, layer, params, x, positions = _setup({"num_kv_heads": 2})
     key = jax.random.key(3)
