@@ -31,6 +31,13 @@ def dtype_of(x) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype)
 
 
+def as_positions(x):
+    """Integer positions (or segment ids) as JAX arrays to compute differences with: int64 where
+    given so and JAX holds it (``jax_enable_x64``), else int32, so that unsigned or narrow
+    integers do not wrap when subtracted."""
+    return jnp.asarray(x, jnp.int64 if dtype_of(x) == np.dtype(np.int64) else jnp.int32)
+
+
 def check_floating(name: str, x) -> None:
     dtype = dtype_of(x)
     if not jnp.issubdtype(dtype, jnp.floating):

@@ -629,7 +629,8 @@ def default_positions(query_len: int, key_len: int):
 
 
 def check_position_pair(q_name, q, k_name, k):
-    """Integer ``(T,)``/``(B, T)`` and ``(S,)``/``(B, S)`` arrays with compatible batches."""
+    """Integer ``(T,)``/``(B, T)`` and ``(S,)``/``(B, S)`` arrays with compatible batches;
+    returns them as :func:`flax_attn._checks.as_positions` (differences that do not wrap)."""
     _checks.check_integer(q_name, q)
     _checks.check_integer(k_name, k)
     _checks.check_rank(q_name, q, (1, 2), "(T,) or (B, T)")
@@ -637,6 +638,7 @@ def check_position_pair(q_name, q, k_name, k):
     qb, kb = _checks.shape_of(q)[:-1], _checks.shape_of(k)[:-1]
     if qb and kb and qb != kb and 1 not in (qb[0], kb[0]):
         raise ValueError(f"{q_name} {_checks.shape_of(q)} and {k_name} {_checks.shape_of(k)} have different batches")
+    return _checks.as_positions(q), _checks.as_positions(k)
 
 
 def _as_array(m: Mask, q_like, k_like, T: int, S: int):

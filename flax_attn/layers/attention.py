@@ -327,7 +327,7 @@ def _batched_positions(name, positions, batch, length):
     shape = _checks.shape_of(positions)
     if shape not in ((length,), (1, length), (batch, length)):
         raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
-    return jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
+    return jnp.broadcast_to(_checks.as_positions(positions), (batch, length))  # RoPE reads absolute positions
 
 
 def attention_params(config: AttentionConfig) -> dict:
@@ -575,6 +575,9 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
     written = None  # how many leading cache slots hold tokens
     in_place = False  # attending over the cache itself
     if cache is not None:
+        # A cache stores int32 positions and segment ids (its keys are rotated already)
+        positions = None if positions is None else positions.astype(jnp.int32)
+        segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
         may_pad = segment_ids is not None  # padding comes only with segment ids
         if segment_ids is None:
             segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)

@@ -45,7 +45,8 @@ def alibi_bias(slopes, query_positions, key_positions, *, dtype=None):
     Returns:
       ``(N, T, S)`` or ``(B, N, T, S)``, to pass as ``bias`` to ``dot_product_attention``.
     """
-    check_position_pair("query_positions", query_positions, "key_positions", key_positions)
+    query_positions, key_positions = check_position_pair("query_positions", query_positions, "key_positions",
+                                                         key_positions)
     _checks.check_rank("slopes", slopes, 1, "(N,)")
     if dtype is None:
         dtype = jnp.promote_types(jnp.asarray(slopes).dtype, jnp.float32)

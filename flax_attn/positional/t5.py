@@ -27,7 +27,8 @@ def relative_position_bucket(relative_position, *, bidirectional: bool = True, n
     _checks.check_positive_int("num_buckets", num_buckets)
     _checks.check_positive_int("max_distance", max_distance)
     _checks.check_integer("relative_position", relative_position)
-    rel = jnp.asarray(relative_position, jnp.int32)
+    rel = _checks.as_positions(relative_position)
+    given = num_buckets
     buckets = jnp.zeros_like(rel)
     if bidirectional:
         num_buckets //= 2
@@ -38,14 +39,14 @@ def relative_position_bucket(relative_position, *, bidirectional: bool = True, n
     max_exact = num_buckets // 2
     if max_exact < 1 or max_distance <= max_exact:
         raise ValueError(f"need num_buckets >= {4 if bidirectional else 2} and max_distance > {max_exact}, "
-                         f"got num_buckets={num_buckets * (2 if bidirectional else 1)}, max_distance={max_distance}")
+                         f"got num_buckets={given}, max_distance={max_distance}")
     is_small = rel < max_exact
     # float32 throughout: rel / max_exact, divided by log(max_distance / max_exact) as a float32.
     log_ratio = jnp.log(jnp.maximum(rel, 1).astype(jnp.float32) / max_exact)
     large = max_exact + (log_ratio / jnp.float32(math.log(max_distance / max_exact))
                          * (num_buckets - max_exact)).astype(jnp.int32)
     large = jnp.minimum(large, num_buckets - 1)
-    return buckets + jnp.where(is_small, rel, large)
+    return (buckets + jnp.where(is_small, rel, large)).astype(jnp.int32)
 
 
 def t5_bias(table, query_positions, key_positions, *, bidirectional: bool = True, max_distance: int = 128):
@@ -67,7 +68,8 @@ def t5_bias(table, query_positions, key_positions, *, bidirectional: bool = True
       :func:`flax_attn.dot_product_attention`.
     """
     _checks.check_rank("table", table, 2, "(num_buckets, N)")
-    check_position_pair("query_positions", query_positions, "key_positions", key_positions)
+    query_positions, key_positions = check_position_pair("query_positions", query_positions, "key_positions",
+                                                         key_positions)
     buckets = relative_position_bucket(
         key_positions[..., None, :] - query_positions[..., :, None],
         bidirectional=bidirectional, num_buckets=table.shape[0], max_distance=max_distance)

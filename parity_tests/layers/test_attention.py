@@ -216,3 +216,17 @@ def test_weightless_qk_norm_has_no_parameters():
     layer = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, qk_norm=True, qk_norm_weight=False))
     params = jax.eval_shape(layer.init, jax.random.key(0), jnp.zeros((1, 2, D)), jnp.arange(2)[None])
     assert sorted(params["params"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def test_rope_layer_takes_int64_positions_past_int32():
+    """With 64-bit integers on (as this suite runs), the layer rotates by int64 positions as
+    given, past 2**31 too: equal to its twin in float64 (they were cut to int32)."""
+    layer = fa.Attention(fa.AttentionConfig(d_model=8, num_heads=2, position="rope"))
+    x = np.random.default_rng(0).standard_normal((1, 3, 8))
+    twin = tr.twin(layer).double()
+    params = fa.from_torch_state_dict(layer, tr.state_dict_to_numpy(twin.state_dict()), dtype=jnp.float64)
+    for start in (2**31 - 2, 2**33):
+        positions = np.arange(start, start + 3, dtype=np.int64)[None]
+        got = layer.apply(params, jnp.asarray(x), jnp.asarray(positions))
+        want = twin(torch.tensor(x), torch.tensor(positions)).detach().numpy()
+        assert_close(got, want, np.float64, f"positions from {start}")

@@ -43,3 +43,19 @@ def test_t5_bias_looks_up_the_table():
     assert bias.shape == (2, 3, 3)
     b = np.asarray(fa.relative_position_bucket(jnp.arange(3)[None, :] - jnp.arange(3)[:, None]))
     np.testing.assert_array_equal(bias[1], np.asarray(table)[b, 1])
+
+
+def test_positions_past_int32_and_unsigned_positions():
+    """With 64-bit integers on (as this suite runs), int64 relative positions are not cut to
+    int32: 2**32 after the query is past max_distance (bucket 31), 2**32 before it too (15).
+    Unsigned positions give the buckets of the same positions as int32 (no wrapped
+    differences)."""
+    rel = jnp.asarray(np.array([2**32, 2**32 + 3, -(2**32)], np.int64))
+    np.testing.assert_array_equal(fa.relative_position_bucket(rel), [31, 31, 15])
+    table = jnp.asarray(np.random.default_rng(0).standard_normal((32, 2)))
+    q = k = np.arange(3)
+    want = fa.t5_bias(table, q.astype(np.int32), k.astype(np.int32))
+    for dtype in (np.uint8, np.uint32):
+        np.testing.assert_array_equal(fa.t5_bias(table, q.astype(dtype), k.astype(dtype)), want)
+    np.testing.assert_array_equal(fa.alibi_bias(fa.alibi_slopes(2), q.astype(np.uint32), k.astype(np.uint32)),
+                                  fa.alibi_bias(fa.alibi_slopes(2), q.astype(np.int32), k.astype(np.int32)))
