@@ -210,7 +210,8 @@ keys-major tangent forms of :func:`key_logits` and :func:`softmax_values`."""
 
 def _tangent_keys_major(logits, platform) -> bool:
     R, S = logits.shape[-2:]
-    return platform == "cpu" and bool(_checks.decided(lambda: R >= KEYS_MAJOR_TANGENT_MIN and S >= KEYS_MAJOR_TANGENT_MIN))
+    large = _checks.decided(lambda: R >= KEYS_MAJOR_TANGENT_MIN and S >= KEYS_MAJOR_TANGENT_MIN)
+    return platform == "cpu" and bool(large)
 
 
 def keys_major_product(rows, keys_tangent, precision, acc, rows_out):

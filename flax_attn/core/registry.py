@@ -72,7 +72,11 @@ _REGISTRY: list[Implementation] = []
 
 def register(impl: Implementation, *, before: Optional[str] = None) -> Implementation:
     """Add ``impl`` to the registry (before the one named ``before``, else before the plain path,
-    which stays last). Raises if its name is taken."""
+    which stays last). Raises if it is not an :class:`Implementation` (TypeError) or its name is
+    taken."""
+    if not isinstance(impl, Implementation):
+        raise TypeError(f"register takes an Implementation (a subclass of flax_attn.core.registry.Implementation), "
+                        f"got {type(impl).__name__}")
     if any(r.name == impl.name for r in _REGISTRY):
         raise ValueError(f"an implementation named {impl.name!r} is already registered")
     names = [r.name for r in _REGISTRY]
@@ -124,7 +128,7 @@ def choose(call) -> Implementation:
     (``dataclasses.replace(call, platform='gpu')``) to ask what would run elsewhere.
     """
     for impl in _REGISTRY:
-        if impl.supports(call) is None and impl.preferred(call):
+        if impl.runs_on(call.platform) and impl.supports(call) is None and impl.preferred(call):
             return impl
     raise ValueError(f"no registered implementation serves this call ({call.mask.describe()})")
 
@@ -139,6 +143,8 @@ def resolve(implementation: Union[None, str, Implementation], call) -> Implement
         raise TypeError(f"implementation must be None, a name in {names()} or an Implementation, "
                         f"got {implementation!r}")
     problem = impl.supports(call)
+    if not problem and not impl.runs_on(call.platform):
+        problem = f"the '{call.platform}' backend (it does not run there: runs_on('{call.platform}') is False)"
     if problem:
         raise ValueError(f"implementation='{impl.name}' does not support {problem}")
     return impl

@@ -42,8 +42,8 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     deterministically (no dropout: a flax_attn layer is called with ``deterministic=True``;
     an NNX module in eval mode, ``module.eval()`` on the step's own copy, every submodule
     included; a Linen container must pass ``deterministic`` to its layers itself) and, with
-    ``donate=True``, donates the cache so that it is updated in place. The cache given to a step must not be used again (JAX deletes its
-    buffers): keep the one the step returns.
+    ``donate=True``, donates the cache so that it is updated in place. The cache given to a
+    step must not be used again (JAX deletes its buffers): keep the one the step returns.
 
     **Run-time checks** (cache overflow, positions going backwards, ...) run inside the
     compiled step without host callbacks (which would keep JAX off its fast dispatch path:

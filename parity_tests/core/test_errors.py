@@ -76,10 +76,12 @@ CASES = {
                          "is_causal must be known when the function is traced (it decides the program), got a traced "
                          "value"),
     "mask_mod indexes a NumPy array": (
-        lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.mask_mod(lambda b, n, qi, ki: _DOCS[b, qi] == _DOCS[b, ki])),
-        TypeError, "mask_mod failed on traced arguments (b, n, q_idx, k_idx), int32 scalars: TracerArrayConversionError"),
-    "mask_mod takes three": (lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.mask_mod(lambda b, qi, ki: qi >= ki)),
-                             TypeError, "mask_mod must take (b, n, q_idx, k_idx), int32 scalars: too many positional arguments"),
+        lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.mask_mod(lambda b, n, q, k: _DOCS[b, q] == _DOCS[b, k])),
+        TypeError, "mask_mod failed on traced arguments (b, n, q_idx, k_idx), int32 scalars: "
+                   "TracerArrayConversionError"),
+    "mask_mod takes three": (
+        lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.mask_mod(lambda b, qi, ki: qi >= ki)),
+        TypeError, "mask_mod must take (b, n, q_idx, k_idx), int32 scalars: too many positional arguments"),
     "unknown implementation": (lambda: fa.dot_product_attention(Q, K, V, implementation="pallas"), ValueError,
                                "implementation must be one of ['pallas_decode', 'cudnn', 'splash', 'pallas_triton', 'key_blocks', "
                                "'query_blocks', 'blockwise', 'xla'], got 'pallas'"),

@@ -195,7 +195,7 @@ class _Chunked(Implementation):
     def __call__(self, call, query, key, value, dropout_rng):
         from flax_attn.core import numerics
         outs, lses = [], []
-        K, G = call.K, call.G
+        K = call.K
         for start in range(0, call.T, self.chunk):
             size = min(self.chunk, call.T - start)
             q = numerics.group_queries(query[:, start:start + size], K)               # (B, K, G, t, H)
@@ -247,6 +247,43 @@ def test_a_toy_implementation_registers_serves_and_leaves(toy):
         fa.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), implementation=toy)
     with pytest.raises(ValueError, match="already registered"):
         registry.register(_Chunked())
+
+
+@dataclasses.dataclass(frozen=True)
+class _ElsewhereOnly(registry.Implementation):
+    """Serves every call and prefers it, but runs on no platform of this test (runs_on)."""
+
+    name: str = "elsewhere-only"
+
+    def runs_on(self, platform):
+        return platform == "no-such-platform"
+
+    def __call__(self, call, query, key, value, dropout_rng):  # pragma: no cover - must never run
+        raise AssertionError("ran where runs_on says it does not")
+
+
+def test_runs_on_decides_the_choice_and_register_takes_implementations_only():
+    """An implementation that does not run on the call's platform is never chosen, and naming it
+    is a ValueError saying so; register refuses what is not an Implementation (it broke every
+    automatic call later)."""
+    impl = registry.register(_ElsewhereOnly(), before=NAMES[0])
+    try:
+        q = jnp.ones((1, 4, 2, 8))
+        call = describe(q, q, q, platform=jax.default_backend())
+        assert registry.choose(call).name != impl.name and impl not in registry.available()
+        fa.dot_product_attention(q, q, q)
+        with pytest.raises(ValueError, match=rf"implementation='elsewhere-only' does not support the "
+                                             rf"'{jax.default_backend()}' backend \(it does not run there"):
+            fa.dot_product_attention(q, q, q, implementation="elsewhere-only")
+    finally:
+        registry.unregister(impl.name)
+
+    class NotAnImplementation:
+        name = "bogus"
+
+    with pytest.raises(TypeError, match="register takes an Implementation .*, got NotAnImplementation"):
+        registry.register(NotAnImplementation())
+    assert "bogus" not in registry.names()
 
 
 def test_the_toy_is_gone_after_unregistering():

@@ -280,7 +280,8 @@ def test_layers_export_with_symbolic_batch_and_length(name, bounded):
     else:
         init, apply = (lambda key, x, pos: module.init(key, x, pos)), module.apply
         args = (x, positions)
-        specs_of = lambda b, t: (jax.ShapeDtypeStruct((b, t, 32), x.dtype), jax.ShapeDtypeStruct((b, t), positions.dtype))
+        specs_of = lambda b, t: (jax.ShapeDtypeStruct((b, t, 32), x.dtype),  # noqa: E731
+                                 jax.ShapeDtypeStruct((b, t), positions.dtype))
     params = init(jax.random.key(0), *args)
     program = jax.jit(lambda p, x, *rest: jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x, *rest) ** 2),
                                                               argnums=(0, 1))(p, x))

@@ -298,7 +298,8 @@ def test_nnx_containers_decode_in_eval_mode_through_their_own_transforms():
     model.train()
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 8, D)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    caches = lambda: jax.tree.map(lambda a: jnp.stack([a, a]), config.init_cache(2, 12, dtype=jnp.float32))  # noqa: E731
+    caches = lambda: jax.tree.map(lambda a: jnp.stack([a, a]),  # noqa: E731 - one cache per layer
+                                  config.init_cache(2, 12, dtype=jnp.float32))
     model.eval()
     full = model(x, positions)
     model.train()
