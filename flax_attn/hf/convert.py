@@ -296,8 +296,11 @@ def _check_leftovers(prefixes, take: "_Taker") -> None:
     """ValueError listing the weights inside the loaded attention modules that no layer took: a
     QK-norm the config does not enable, a projection it does not know. Weights outside them (the
     MLP, embeddings) are not attention's."""
-    left = sorted(n for n in take.weights if n not in take.used and any(n.startswith(p + ".") for p in prefixes)
-                  and not _BUFFERS.search(n[len(next(p for p in prefixes if n.startswith(p + "."))):]))
+    def inside(name):  # the part of ``name`` after the attention module holding it, or None
+        return next((name[len(p):] for p in prefixes if name.startswith(p + ".")), None)
+
+    left = sorted(n for n in take.weights if n not in take.used and inside(n) is not None
+                  and not _BUFFERS.search(inside(n)))
     if left:
         raise ValueError("weights inside the attention modules that the config does not use (a feature the "
                          "config leaves off, e.g. qk-norm, or another model's config?):\n  "
