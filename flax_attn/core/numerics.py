@@ -342,31 +342,31 @@ def diagonal_values(weights, values, K: int, precision, acc):
 
 
 ONE_ROW_PAD_KEYS = 4096
-"""From this many keys on, a one-row values' matmul on a CPU with AVX-512 runs beside a row of
-zeros (:func:`weighted_values`)."""
+"""From this many keys on, a one-row values' matmul runs beside a row of zeros on the CPUs of
+:func:`flax_attn.core.tuning.values_matvec_as_two_rows` (:func:`weighted_values`)."""
 
 
 def weighted_values(weights, values, precision, acc, platform=None):
     """``weights (..., R, S) @ values (..., S, Hv)`` in ``acc``, the weights cast to the values'
     dtype: the values' matmul of the plain path and of :func:`softmax_values`.
 
-    On a CPU with AVX-512 (``platform='cpu'`` and :func:`flax_attn.core.tuning.has_avx512`) a
-    single row (``R = 1``: one query per key/value head, a multi-head decoding step) over at
-    least :data:`ONE_ROW_PAD_KEYS` keys is computed beside a row of zeros. XLA compiles a
+    On a CPU where :func:`flax_attn.core.tuning.values_matvec_as_two_rows` holds (AMD's, with
+    AVX-512) a single row (``R = 1``: one query per key/value head, a multi-head decoding step)
+    over at least :data:`ONE_ROW_PAD_KEYS` keys is computed beside a row of zeros. XLA compiles a
     one-row batched matmul to a matrix-vector kernel and a two-row one to its general matmul,
-    and which reads the values faster depends on the vector width (96 units of 8,370 keys of 64,
+    and which reads the values faster depends on the CPU (96 units of 8,370 keys of 64,
     float32, 2-core AMD EPYCs, the values read at): family 26, AVX-512: one row 13-15 GB/s,
     two rows 23; family 25, AVX2 only: one row 17.7 GB/s, two rows 8.8 (in turns in one
-    process; 12 units: 18.3 against 10.2). A decoding step of a 768-wide, 12-head layer over
-    8,192 cached tokens on family 26, in two A/B runs in turns: 34.9 -> 30.7 and 36.6 -> 32.8
-    ms at batch 8, 4.7 -> 4.0 and 5.7 -> 5.7 ms at batch 1. With fewer keys the two-row kernel
-    is no faster (96 units of 1,202 keys alone: 1.49 -> 1.86 ms), so the key blocks (128 to 512
-    keys a block) keep the one-row matmul. Not measured on Intel CPUs (AVX-512: the two-row
-    form).
+    process; 12 units: 18.3 against 10.2); Intel's family 6, model 207 (AVX-512): one row 23.4
+    GB/s, two rows 11.3 (8,320 keys, each product cold). A decoding step of a 768-wide, 12-head
+    layer over 8,192 cached tokens on family 26, in two A/B runs in turns: 34.9 -> 30.7 and
+    36.6 -> 32.8 ms at batch 8, 4.7 -> 4.0 and 5.7 -> 5.7 ms at batch 1. With fewer keys the
+    two-row kernel is no faster (96 units of 1,202 keys alone: 1.49 -> 1.86 ms), so the key
+    blocks (128 to 512 keys a block) keep the one-row matmul.
     """
     weights = weights.astype(values.dtype)
     one_row = (platform == "cpu" and _checks.dim_is(weights.shape[-2], (1,))
-               and _checks.decided(lambda: weights.shape[-1] >= ONE_ROW_PAD_KEYS) and tuning.has_avx512())
+               and _checks.decided(lambda: weights.shape[-1] >= ONE_ROW_PAD_KEYS) and tuning.values_matvec_as_two_rows())
     if one_row:
         weights = jnp.concatenate([weights, jnp.zeros_like(weights)], axis=-2)
     out = jnp.einsum("...rk,...kh->...rh", weights, values, precision=precision, preferred_element_type=acc)

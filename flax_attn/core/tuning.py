@@ -115,6 +115,22 @@ def has_avx512() -> bool:
     return "avx512f" in cpu_flags()
 
 
+def _values_matvec_as_two_rows(cpuinfo: str) -> bool:
+    return _cpu_field(cpuinfo, "vendor_id") == "AuthenticAMD" and "avx512f" in _parse_flags(cpuinfo)
+
+
+def values_matvec_as_two_rows() -> bool:
+    """Whether a long one-row values' matmul (a multi-head decoding step's weights against the
+    cached values) runs beside a row of zeros on this CPU (:func:`flax_attn.core.numerics.weighted_values`):
+    on AMD CPUs with AVX-512, where XLA's two-row matmul read the values faster than its
+    matrix-vector kernel. Not on Intel's AVX-512 CPUs, where it read them at half the speed
+    (96 units of 8,320 keys of 64, float32, each product cold, 2-core Intel Xeon of family 6,
+    model 207: one row 23.4 GB/s, two rows 11.3; 96 units of 1,152 keys 17.5 / 9.3; 16 units of
+    8,320 keys 18.4 / 10.7), nor without AVX-512 (AMD's family 25, model 1: 17.7 / 8.8).
+    False where ``/proc/cpuinfo`` cannot be read."""
+    return _values_matvec_as_two_rows(_cpuinfo())
+
+
 def _projections_as_convolutions(cpuinfo: str) -> bool:
     vendor, family = _cpu_field(cpuinfo, "vendor_id"), _cpu_field(cpuinfo, "cpu family")
     return vendor == "AuthenticAMD" and family == "25" and "avx512f" in _parse_flags(cpuinfo)

@@ -175,18 +175,19 @@ def test_a_nan_or_inf_logit_is_not_hidden():
         assert np.isfinite(np.asarray(got)[2]).all(), got
 
 
-@pytest.mark.parametrize("avx512", [True, False])
+@pytest.mark.parametrize("two_rows", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
-def test_weighted_values_is_the_matmul(rows, platform, avx512, monkeypatch):
-    """weighted_values (one row computed beside a row of zeros on a CPU with AVX-512) is the
-    batched matmul, outputs and gradients, whatever the platform and vector width it is told."""
+def test_weighted_values_is_the_matmul(rows, platform, two_rows, monkeypatch):
+    """weighted_values (one row computed beside a row of zeros on the CPUs where
+    tuning.values_matvec_as_two_rows holds) is the batched matmul, outputs and gradients,
+    whatever the platform and CPU it is told."""
     from flax_attn.core import tuning
     from flax_attn.core.numerics import weighted_values
-    monkeypatch.setattr(tuning, "has_avx512", lambda: avx512)
+    monkeypatch.setattr(tuning, "values_matvec_as_two_rows", lambda: two_rows)
     padded = "concatenate" in str(jax.make_jaxpr(lambda w, v: weighted_values(w, v, None, jnp.float64, platform))(
         jnp.ones((4, rows, fa.core.numerics.ONE_ROW_PAD_KEYS)), jnp.ones((4, fa.core.numerics.ONE_ROW_PAD_KEYS, 3))))
-    assert padded == (platform == "cpu" and rows == 1 and avx512)
+    assert padded == (platform == "cpu" and rows == 1 and two_rows)
     rng = np.random.default_rng(5)
     S = fa.core.numerics.ONE_ROW_PAD_KEYS  # the shortest key axis that takes the two-row form on CPU
     w, v = jnp.asarray(rng.random((4, rows, S))), jnp.asarray(rng.standard_normal((4, S, 3)))
@@ -197,6 +198,19 @@ def test_weighted_values_is_the_matmul(rows, platform, avx512, monkeypatch):
     ct = jnp.asarray(rng.standard_normal((4, rows, 3)))
     for g, e in zip(jax.vjp(got, w, v)[1](ct), jax.vjp(want, w, v)[1](ct)):
         assert max_rel_error(g, e) < 1e-12
+
+
+def test_values_matvec_as_two_rows_on_amd_with_avx512_only():
+    """The two-row form of a long one-row values' matmul follows the CPU's vendor and vector
+    width, read from /proc/cpuinfo's text: AMD with AVX-512 (families 25 and 26), not AMD with
+    AVX2 alone, not Intel (measured slower there), not an unreadable cpuinfo."""
+    from flax_attn.core import tuning
+    amd = "vendor_id\t: AuthenticAMD\ncpu family\t: {}\nflags\t\t: fpu sse2 avx2 {}\n"
+    assert tuning._values_matvec_as_two_rows(amd.format(26, "avx512f"))
+    assert tuning._values_matvec_as_two_rows(amd.format(25, "avx512f avx512bw"))
+    assert not tuning._values_matvec_as_two_rows(amd.format(25, ""))
+    assert not tuning._values_matvec_as_two_rows(amd.replace("AuthenticAMD", "GenuineIntel").format(6, "avx512f"))
+    assert not tuning._values_matvec_as_two_rows("")
 
 
 HEADS_IN_PLACE = {  # (T, N, K): whether a CPU with AVX-512 reads (B, S, K, H) keys in place
