@@ -131,9 +131,41 @@ def values_matvec_as_two_rows() -> bool:
     return _values_matvec_as_two_rows(_cpuinfo())
 
 
+def _intel_avx512(cpuinfo: str) -> bool:
+    return _cpu_field(cpuinfo, "vendor_id") == "GenuineIntel" and "avx512f" in _parse_flags(cpuinfo)
+
+
 def _projections_as_convolutions(cpuinfo: str) -> bool:
     vendor, family = _cpu_field(cpuinfo, "vendor_id"), _cpu_field(cpuinfo, "cpu family")
-    return vendor == "AuthenticAMD" and family == "25" and "avx512f" in _parse_flags(cpuinfo)
+    amd_family_25 = vendor == "AuthenticAMD" and family == "25" and "avx512f" in _parse_flags(cpuinfo)
+    return amd_family_25 or _intel_avx512(cpuinfo)
+
+
+LARGE_PROJECTION_ROWS = 4096
+"""From this many rows on, :func:`flax_attn.layers.common.dense` on CPU takes one of its forms
+for large products; on Intel's CPUs with AVX-512, from :data:`INTEL_LARGE_PROJECTION_ROWS`."""
+INTEL_LARGE_PROJECTION_ROWS = 1024
+"""Intel's (AVX-512) threshold of :func:`large_projection_rows`: the 1,024-token row chunks of
+a layer's forward (:func:`flax_attn.layers.common.by_row_chunks`) take the convolution there."""
+
+
+def _large_projection_rows(cpuinfo: str) -> int:
+    return INTEL_LARGE_PROJECTION_ROWS if _intel_avx512(cpuinfo) else LARGE_PROJECTION_ROWS
+
+
+def large_projection_rows() -> int:
+    """The fewest rows from which :func:`flax_attn.layers.common.dense` writes a product on CPU
+    in its form for large products (:func:`projections_as_convolutions`): 1,024 on Intel's CPUs
+    with AVX-512, 4,096 elsewhere.
+
+    On a 2-core Intel Xeon of family 6, model 207, three 768 x 768 projections (float32, in
+    turns in one process) as a dot (YNNPACK) against the convolution (Eigen), in ms: 64 rows
+    2.09 / 2.50, 256 rows 5.54 / 5.45, 512 rows 10.4 / 9.6, 1,024 rows 20.0 / 18.0, 2,048 rows
+    42.3 / 36.7; the GPT-2-small layer's forward (8 x 1,024 tokens, chunks of 1,024 tokens)
+    took 0.436 / 0.406 s with dots (the same program twice) against 0.344 s with convolutions
+    from 1,024 rows and 0.387 s from 4,096 rows with chunks of 4,096 tokens (PyTorch's SDPA
+    layer 0.305 s). Not measured elsewhere at 1,024 rows."""
+    return _large_projection_rows(_cpuinfo())
 
 
 PROJECTIONS_ENV = "FLAX_ATTN_PROJECTIONS_AS_CONVOLUTIONS"
@@ -174,9 +206,14 @@ def projections_as_convolutions() -> bool:
     1-wide convolution (run on XLA's Eigen matmul) rather than as a dot (a YNNPACK fusion, with
     the kernel read transposed): on AMD's family 25 with AVX-512 (Zen 4, whose 512-bit operations
     run on 256-bit units), where XLA's Eigen kernel ran the projections' matmuls at 183-211
-    GFLOP/s against YNNPACK's 154-178 (2 cores, model 17). Elsewhere not measured, and kept as
-    before: where AVX-512 runs at full width (AMD's family 26, Intel) YNNPACK's kernels reached
-    343-407 GFLOP/s, nearly twice PyTorch's. False where ``/proc/cpuinfo`` cannot be read.
+    GFLOP/s against YNNPACK's 154-178 (2 cores, model 17), and on Intel's with AVX-512: on a
+    2-core Xeon of family 6, model 207, 8,192 x 768 x 768 forward took 43.8 ms as the
+    convolution, 57.5 as a dot and 59.3 with the kernel read transposed (PyTorch 40.9), and the
+    GPT-2-small layer's forward+backward 1.377 s against 1.525 s with the transposed kernel
+    (PyTorch's SDPA layer 1.061 s, same run); there from :func:`large_projection_rows` (1,024)
+    rows on. Elsewhere kept as before: on AMD's family 26 (full-width AVX-512) YNNPACK's kernels
+    reached 343-407 GFLOP/s, nearly twice PyTorch's. False where ``/proc/cpuinfo`` cannot be
+    read.
 
     Inside :func:`projections_as` its form decides. Otherwise :data:`PROJECTIONS_ENV` set to
     ``1`` or ``0`` before the first call overrides the machine's choice for the process. Both

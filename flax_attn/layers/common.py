@@ -73,9 +73,10 @@ def embed_params(num_embeddings: int, features: int) -> dict:
     return {"embedding": ParamSpec((num_embeddings, features), nn.initializers.normal(1.0))}
 
 
-LARGE_ROWS = 4096
-"""From this many rows on, :func:`dense` on CPU takes one of its two forms for large products
-(a 1-wide convolution over the rows, or the kernel read transposed; see there)."""
+LARGE_ROWS = tuning.LARGE_PROJECTION_ROWS
+"""From this many rows on, :func:`dense` on every CPU takes one of its two forms for large
+products (a 1-wide convolution over the rows, or the kernel read transposed; see there); on
+some from fewer (:func:`flax_attn.core.tuning.large_projection_rows`)."""
 
 
 def dense(p: Mapping, x, precision: Any = None):
@@ -84,9 +85,10 @@ def dense(p: Mapping, x, precision: Any = None):
     ``p``: ``{'kernel': (in, out)}`` and optionally ``'bias': (out,)``. Inputs and parameters are
     promoted to one dtype (float32 inputs with float64 parameters compute in float64).
 
-    On CPU, from :data:`LARGE_ROWS` rows of ``x`` on, the product takes one of two forms,
-    both the same sums. Where :func:`flax_attn.core.tuning.projections_as_convolutions` says so
-    (AMD's family 25 with AVX-512), it is written as a convolution of width 1 over the rows
+    On CPU, from :func:`flax_attn.core.tuning.large_projection_rows` rows of ``x`` on
+    (:data:`LARGE_ROWS`, 4,096; 1,024 on Intel's CPUs with AVX-512), the product takes one of
+    two forms, both the same sums. Where :func:`flax_attn.core.tuning.projections_as_convolutions`
+    says so (AMD's family 25 with AVX-512, Intel's with AVX-512), it is written as a convolution of width 1 over the rows
     (:func:`rows_product`), which XLA's CPU compiler turns back into a dot after the pass that
     hands dots to YNNPACK, so that the matmul and both of its derivatives run on XLA's own
     (Eigen) matmul kernels, faster there at these sizes. Elsewhere it reads the kernel as ``(out,
@@ -119,14 +121,15 @@ def dense(p: Mapping, x, precision: Any = None):
     convolution over the axes as they lie, one batch and further spatial axes, stays a
     convolution in XLA: reverse mode of (8, 1,024, 768) by 768 x 2,304 331 ms against the flat
     rows' 305, of (2, 4, 1,024, 768) 1,301 ms). Forward alone, these layers run the rows in
-    chunks of 1,024 tokens (:func:`by_row_chunks`), below the threshold, and are unchanged. With
+    chunks of 1,024 tokens (:func:`by_row_chunks`), below the threshold but on Intel's CPUs
+    with AVX-512, where the chunks' convolutions took the forward from 0.41-0.44 to 0.34 s. With
     few rows the product stays a plain dot: there the transposed kernel's copy cost more than the
     matmul (a decoding step, one row per sequence, went from 0.9 to 2.5 ms at batch 1).
     """
     kernel, bias = p["kernel"], p.get("bias")
     dtype = jnp.result_type(x, kernel, *(() if bias is None else (bias,)))
     x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
-    if jax.default_backend() == "cpu" and _checks.decided(lambda: math.prod(x.shape[:-1]) >= LARGE_ROWS):
+    if jax.default_backend() == "cpu" and _checks.decided(lambda: math.prod(x.shape[:-1]) >= tuning.large_projection_rows()):
         if (tuning.projections_as_convolutions() and not jnp.issubdtype(dtype, jnp.complexfloating)
                 and not _explicitly_sharded(x)):
             y = rows_product(x, kernel, precision)

@@ -1,5 +1,5 @@
 """The layers' shared pieces (flax_attn.layers.common). The projection (dense): on CPU, from
-LARGE_ROWS rows on, it is a 1-wide convolution over the rows, which XLA compiles into its own
+the CPU's threshold of rows on (LARGE_ROWS, or fewer: tuning.large_projection_rows), it is a 1-wide convolution over the rows, which XLA compiles into its own
 dot, or (on other CPUs) reads its kernel transposed; every form is x @ kernel + bias, in outputs
 and in reverse and forward mode. The loop over batch rows (by_row_chunks): its decision per
 platform, and the same numbers as the whole batch, the derivatives' programs unchanged."""
@@ -13,16 +13,20 @@ from flax_attn.core import tuning
 from flax_attn.layers.common import LARGE_ROWS, dense, rows_product
 
 
+@pytest.mark.parametrize("threshold", [tuning.INTEL_LARGE_PROJECTION_ROWS, LARGE_ROWS])
 @pytest.mark.parametrize("convolutions", [True, False])
-@pytest.mark.parametrize("rows", [3, LARGE_ROWS])
-def test_dense_is_the_matmul(rows, convolutions, monkeypatch):
+@pytest.mark.parametrize("rows", [3, tuning.INTEL_LARGE_PROJECTION_ROWS, LARGE_ROWS])
+def test_dense_is_the_matmul(rows, convolutions, threshold, monkeypatch):
+    """dense is x @ kernel + bias in every form, and takes the large form from the CPU's
+    threshold (tuning.large_projection_rows) on."""
     monkeypatch.setattr(tuning, "projections_as_convolutions", lambda: convolutions)
+    monkeypatch.setattr(tuning, "large_projection_rows", lambda: threshold)
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((2, rows // 2 if rows > 3 else rows, 5)))
     p = {"kernel": jnp.asarray(rng.standard_normal((5, 3))), "bias": jnp.asarray(rng.standard_normal(3))}
     want = lambda p, x: x @ p["kernel"] + p["bias"]  # noqa: E731
     jaxpr = str(jax.make_jaxpr(lambda p, x: dense(p, x))(p, x))
-    large = jax.default_backend() == "cpu" and rows >= LARGE_ROWS
+    large = jax.default_backend() == "cpu" and rows >= threshold
     assert ("conv_general_dilated" in jaxpr) == (large and convolutions)
     assert ("optimization_barrier" in jaxpr) == (large and not convolutions)
     assert_close(dense(p, x), want(p, x), np.float64, "dense")
@@ -56,14 +60,25 @@ def test_the_convolution_form_compiles_to_xlas_dot_in_both_directions():
     assert ops(reverse, kernel, x, ct) == (2, False, 0)
 
 
-def test_projections_as_convolutions_on_amd_family_25_with_avx512_only():
+def test_projections_as_convolutions_on_amd_family_25_and_intel_with_avx512():
     amd = "vendor_id\t: AuthenticAMD\ncpu family\t: {}\nmodel\t\t: 17\nflags\t\t: fpu sse2 avx2 {}\n"
     assert tuning._projections_as_convolutions(amd.format(25, "avx512f avx512bw"))
     assert not tuning._projections_as_convolutions(amd.format(25, ""))        # family 25, model 1: AVX2
     assert not tuning._projections_as_convolutions(amd.format(26, "avx512f"))  # full-width AVX-512
-    intel = amd.replace("AuthenticAMD", "GenuineIntel").format(6, "avx512f")
-    assert not tuning._projections_as_convolutions(intel)
+    intel = amd.replace("AuthenticAMD", "GenuineIntel")
+    assert tuning._projections_as_convolutions(intel.format(6, "avx512f"))  # Intel with AVX-512
+    assert not tuning._projections_as_convolutions(intel.format(6, ""))
     assert not tuning._projections_as_convolutions("")
+
+
+def test_large_projection_rows_follow_the_cpu():
+    """The large form starts at 1,024 rows on Intel's CPUs with AVX-512, at LARGE_ROWS (4,096)
+    on AMD's, on Intel's without AVX-512 and where /proc/cpuinfo cannot be read."""
+    cpu = "vendor_id\t: {}\ncpu family\t: {}\nflags\t\t: fpu sse2 avx2 {}\n"
+    assert tuning._large_projection_rows(cpu.format("GenuineIntel", 6, "avx512f")) == 1024
+    for vendor, family, flags in (("GenuineIntel", 6, ""), ("AuthenticAMD", 25, "avx512f"), ("AuthenticAMD", 26, "avx512f")):
+        assert tuning._large_projection_rows(cpu.format(vendor, family, flags)) == LARGE_ROWS
+    assert tuning._large_projection_rows("") == LARGE_ROWS
 
 
 @pytest.mark.parametrize("setting, expected", [("1", True), ("0", False), ("yes", ValueError)])
