@@ -58,6 +58,16 @@ from flax_attn.core.mask import FAR
 from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
 
+MAX_CHUNK_BYTES = 2 << 20
+"""The most block logits one step of :class:`QueryBlocks` takes by default. On a 2-core Intel
+Xeon of family 6, model 207 (2 MiB L2 per core), GPT-2-small's layer (8 x 1,024 tokens, 12
+heads, causal, float32) in turns with PyTorch's SDPA layer, twice the L2 (4 MiB) against 2 MiB:
+forward 1.126x / 1.095x and 1.250x / 1.220x PyTorch's time, forward+backward 1.329x / 1.203x
+and 1.347x / 1.185x (two processes); the core alone forward 174 / 162 ms, forward+backward 542
+/ 532 ms. With 1 MiB L2 (AMD EPYC, family 25, model 17) twice the L2 is this, and was the
+fastest of 1, 2 and 4 MiB."""
+
+
 @dataclasses.dataclass(frozen=True)
 class QueryBlocks(Implementation):
     """Attention by blocks of queries, each against its whole key range; no dropout, no
@@ -79,8 +89,9 @@ class QueryBlocks(Implementation):
         block's logits (``C * G * block_q * keys * 4`` bytes) within this, dividing the units,
         and at least ``min_units``. None: twice the per-core L2 cache
         (:func:`flax_attn.core.tuning.l2_cache_bytes`), so that a step's logits fit the L2
-        caches of two cores (one L2 in a program compiled by :func:`flax_attn.jit` without
-        YNNPACK, where ``min_units`` defaults to 1: measured faster there).
+        caches of two cores, but at most :data:`MAX_CHUNK_BYTES` (one L2 in a program compiled
+        by :func:`flax_attn.jit` without YNNPACK, where ``min_units`` defaults to 1: measured
+        faster there).
       min_units: the fewest units a step takes (where the units allow). None: 2 for
         multi-head attention, 1 with grouped queries (G > 1). Two units a step made reverse
         mode faster in both cases, but the forward of grouped queries slower (their blocks
@@ -134,14 +145,16 @@ class QueryBlocks(Implementation):
     def _step_units(self, call, B, bq: int, widest: int) -> tuple:
         """``(rows, chunk)``: the batch rows of one chunk of the layer's rows and the units of
         one step (dividing ``rows * K``), from ``chunk_bytes`` and ``min_units``. Their
-        defaults: twice the per-core L2 and 2 units for multi-head attention; in a program
+        defaults: twice the per-core L2 (at most :data:`MAX_CHUNK_BYTES`) and 2 units for
+        multi-head attention; in a program
         declared to compile without YNNPACK (:func:`flax_attn.core.tuning.compiled_with`) one
         L2 and one unit, measured faster there (GPT-2-small's layer on a 2-core AMD EPYC of
         family 25, 512 KiB L2, in turns with PyTorch's: forward+backward 1.125x -> 1.067x and
         1.162x -> 1.068x PyTorch's time, forward 1.046x -> 1.008x and 1.008x -> 0.998x)."""
         K, G = call.K, call.G
         lean = call.platform == "cpu" and tuning.ynnpack_fusions_off()
-        budget = (1 if lean else 2) * tuning.l2_cache_bytes() if self.chunk_bytes is None else self.chunk_bytes
+        l2 = tuning.l2_cache_bytes()
+        budget = (l2 if lean else min(2 * l2, MAX_CHUNK_BYTES)) if self.chunk_bytes is None else self.chunk_bytes
         fewest = self.min_units or (2 if G == 1 and not lean else 1)
         want = max(fewest, budget // max(1, 4 * G * bq * widest))  # units whose block logits fit the budget
         rows = tuning.unit_chunk(B, 1, want // K) if want >= K and isinstance(B, int) else 1

@@ -151,3 +151,24 @@ def test_keys_stored_takes_a_layout_and_ends_with_its_block():
     with pytest.raises(ValueError, match=r"keys_stored layout must be one of \[None, 'BKSH', 'BSKH', 'blocks'\], got 'bksh'"):
         with tuning.keys_stored("bksh"):
             pass
+
+
+def test_query_blocks_step_logits_are_at_most_two_mib_by_default(monkeypatch):
+    """A step of the query blocks takes the units whose block logits fit twice the per-core L2,
+    but at most MAX_CHUNK_BYTES (2 MiB): on a 2 MiB L2 (Intel's) two 256 x 1,024 float32 units,
+    not four; on a 512 KiB L2 (AMD's family 25, model 1) the minimum of two."""
+    import jax
+    import jax.numpy as jnp
+
+    from flax_attn.core import QueryBlocks, tuning
+    from flax_attn.core.call import describe
+    from flax_attn.core.query_blocks import MAX_CHUNK_BYTES
+
+    assert MAX_CHUNK_BYTES == 2 << 20
+    q = jax.ShapeDtypeStruct((8, 1024, 12, 64), jnp.float32)
+    call = describe(q, q, q, is_causal=True, platform="cpu")
+    for l2, units in ((2 << 20, 2), (1 << 20, 2), (512 << 10, 2), (4 << 20, 2)):
+        monkeypatch.setattr(tuning, "l2_cache_bytes", lambda l2=l2: l2)
+        assert QueryBlocks(min_units=1)._step_units(call, 8, 256, 1024)[1] == min(2 * l2, MAX_CHUNK_BYTES) // (4 * 256 * 1024)
+        assert QueryBlocks()._step_units(call, 8, 256, 1024)[1] == units
+    assert QueryBlocks(chunk_bytes=4 << 20)._step_units(call, 8, 256, 1024)[1] == 4  # given: taken as is
