@@ -310,7 +310,10 @@ def reads_heads_in_place(call) -> bool:
     turns: batch 1 over 8,192 keys 15.9 -> 3.1 ms, batch 8 over 1,024 keys 16.6 -> 3.7 ms. A
     non-finite key in one head's columns makes every head's logit at its slot NaN (0 x inf),
     where the regrouped matmuls keep it to its own head; values are not mixed (each unit's
-    columns are taken, not summed). Not measured on CPUs without AVX-512, which regroup."""
+    columns are taken, not summed). On a 2-core Intel Xeon of family 6, model 207, a decoding
+    step of a 768-wide, 12-head layer with a ``'BSKH'`` cache, in turns in one process,
+    regrouped / read in place: batch 8 after 1,024 tokens 17.8 / 12.6 ms, batch 1 after 8,192
+    14.5 / 6.96 ms. Not measured on CPUs without AVX-512, which regroup."""
     return (call.platform == "cpu" and not keys_in_units_order(call.K) and tuning.keys_stored_as() != "blocks"
             and _checks.decided(lambda: call.K * call.G * call.T <= DIAGONAL_MAX_COLUMNS) and tuning.has_avx512())
 
