@@ -369,7 +369,8 @@ def weighted_values(weights, values, precision, acc, platform=None):
     """
     weights = weights.astype(values.dtype)
     one_row = (platform == "cpu" and _checks.dim_is(weights.shape[-2], (1,))
-               and _checks.decided(lambda: weights.shape[-1] >= ONE_ROW_PAD_KEYS) and tuning.values_matvec_as_two_rows())
+               and _checks.decided(lambda: weights.shape[-1] >= ONE_ROW_PAD_KEYS)
+               and tuning.values_matvec_as_two_rows())
     if one_row:
         weights = jnp.concatenate([weights, jnp.zeros_like(weights)], axis=-2)
     out = jnp.einsum("...rk,...kh->...rh", weights, values, precision=precision, preferred_element_type=acc)

@@ -121,9 +121,10 @@ def _values_matvec_as_two_rows(cpuinfo: str) -> bool:
 
 def values_matvec_as_two_rows() -> bool:
     """Whether a long one-row values' matmul (a multi-head decoding step's weights against the
-    cached values) runs beside a row of zeros on this CPU (:func:`flax_attn.core.numerics.weighted_values`):
-    on AMD CPUs with AVX-512, where XLA's two-row matmul read the values faster than its
-    matrix-vector kernel. Not on Intel's AVX-512 CPUs, where it read them at half the speed
+    cached values) runs beside a row of zeros on this CPU
+    (:func:`flax_attn.core.numerics.weighted_values`): on AMD CPUs with AVX-512, where XLA's
+    two-row matmul read the values faster than its matrix-vector kernel. Not on Intel's
+    AVX-512 CPUs, where it read them at half the speed
     (96 units of 8,320 keys of 64, float32, each product cold, 2-core Intel Xeon of family 6,
     model 207: one row 23.4 GB/s, two rows 11.3; 96 units of 1,152 keys 17.5 / 9.3; 16 units of
     8,320 keys 18.4 / 10.7), nor without AVX-512 (AMD's family 25, model 1: 17.7 / 8.8).
@@ -210,7 +211,8 @@ def projections_as_convolutions() -> bool:
     2-core Xeon of family 6, model 207, 8,192 x 768 x 768 forward took 43.8 ms as the
     convolution, 57.5 as a dot and 59.3 with the kernel read transposed (PyTorch 40.9), and the
     GPT-2-small layer's forward+backward 1.377 s against 1.525 s with the transposed kernel
-    (PyTorch's SDPA layer 1.061 s, same run); there from :func:`large_projection_rows` (1,024)
+    (PyTorch's SDPA layer 1.061 s, same run; in two A/B processes after it 1.24 / 1.27 s and
+    1.29 / 1.26 s, within the host's spread); there from :func:`large_projection_rows` (1,024)
     rows on. Elsewhere kept as before: on AMD's family 26 (full-width AVX-512) YNNPACK's kernels
     reached 343-407 GFLOP/s, nearly twice PyTorch's. False where ``/proc/cpuinfo`` cannot be
     read.

@@ -87,8 +87,9 @@ def dense(p: Mapping, x, precision: Any = None):
 
     On CPU, from :func:`flax_attn.core.tuning.large_projection_rows` rows of ``x`` on
     (:data:`LARGE_ROWS`, 4,096; 1,024 on Intel's CPUs with AVX-512), the product takes one of
-    two forms, both the same sums. Where :func:`flax_attn.core.tuning.projections_as_convolutions`
-    says so (AMD's family 25 with AVX-512, Intel's with AVX-512), it is written as a convolution of width 1 over the rows
+    two forms, both the same sums. Where
+    :func:`flax_attn.core.tuning.projections_as_convolutions` says so (AMD's family 25 and
+    Intel's CPUs, with AVX-512), it is written as a convolution of width 1 over the rows
     (:func:`rows_product`), which XLA's CPU compiler turns back into a dot after the pass that
     hands dots to YNNPACK, so that the matmul and both of its derivatives run on XLA's own
     (Eigen) matmul kernels, faster there at these sizes. Elsewhere it reads the kernel as ``(out,
@@ -129,7 +130,8 @@ def dense(p: Mapping, x, precision: Any = None):
     kernel, bias = p["kernel"], p.get("bias")
     dtype = jnp.result_type(x, kernel, *(() if bias is None else (bias,)))
     x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
-    if jax.default_backend() == "cpu" and _checks.decided(lambda: math.prod(x.shape[:-1]) >= tuning.large_projection_rows()):
+    large = lambda: math.prod(x.shape[:-1]) >= tuning.large_projection_rows()  # noqa: E731
+    if jax.default_backend() == "cpu" and _checks.decided(large):
         if (tuning.projections_as_convolutions() and not jnp.issubdtype(dtype, jnp.complexfloating)
                 and not _explicitly_sharded(x)):
             y = rows_product(x, kernel, precision)
