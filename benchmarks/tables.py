@@ -106,12 +106,15 @@ def decode_table(rows: list) -> str:
 
 def tables(results: dict) -> str:
     """Every table the result file has, in the README's order, under a title each. A file of
-    ``benchmarks.decode`` or ``benchmarks.decode_mla`` (its ``rows``) gives its one table; any
-    other file is a ``ValueError`` saying which files are read."""
+    ``benchmarks.decode``, ``benchmarks.decode_mla`` or ``benchmarks.core`` (its ``rows``) gives
+    its one table; any other file is a ``ValueError`` saying which files are read."""
     if "rows" in results and isinstance(results.get("machine"), dict) and "cpu" in results["machine"]:
         m = results["machine"]
         head = f"{m['cpu']}, {m['cores']} cores, load {m['load_1_5_15']}"
         rows = results["rows"]
+        if rows and "ratio_vs_torch_sdpa" in rows[0]:  # benchmarks.core
+            from benchmarks.core import report
+            return report(rows, m)
         if rows and "slots_at_end" in rows[0]:  # --generation
             return f"{head}; generations of {rows[0]['tokens']:,} tokens after {rows[0]['prefix']:,}:\n\n" + generation_table(rows)
         if rows and "floor_bytes_per_step" not in rows[0]:  # --loop
@@ -120,7 +123,7 @@ def tables(results: dict) -> str:
         rounds = results.get("timing") or f"{results['repeats']} rounds of {results['steps_per_round']} steps"
         return f"{head}; {rounds}:\n\n" + decode_table(rows)
     if "gpt2_layer_config" not in results:
-        raise ValueError("not a result file of benchmarks.run, benchmarks.decode or benchmarks.decode_mla "
+        raise ValueError("not a result file of benchmarks.run, benchmarks.decode, benchmarks.decode_mla or benchmarks.core "
                          f"(its keys: {sorted(results)}); benchmarks.parallel and benchmarks.decode_gpu print their "
                          "own tables")
     parts = [machine_line(results)]

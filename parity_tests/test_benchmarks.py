@@ -1,6 +1,7 @@
 """The benchmark's plumbing for platforms this machine does not have: which implementations the
 GPT-2 layer benchmark times on each (every registered one that runs there and serves the call;
 the others are listed with their reason). The timing itself runs in test_examples.py's smoke run."""
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -224,3 +225,56 @@ def test_free_page_reporting_is_read_from_the_balloons_feature_bit(tmp_path, cap
     for host_memory, named in (("default allocator", False), (f"GLIBC_TUNABLES={run.HUGE_PAGES}", True)):
         run.print_report({**results, "host_memory": host_memory})
         assert ("hands free blocks of 2 MiB and up back to its host" in capsys.readouterr().out) is named
+
+
+def _numpy_products(ops, ranges, mode):
+    """The products :mod:`benchmarks.core` times, in float64 NumPy: the sum of their outputs."""
+    total = 0.0
+    units = {name: ops[name].astype(np.float64) for name in ("q", "k", "v", "dout")}
+    for i in range(units["q"].shape[0]):
+        q, k, v, dout = (units[name][i] for name in ("q", "k", "v", "dout"))
+        for (q0, q1, k0, k1), (w, ds) in zip(ranges, ops["blocks"]):
+            w, ds = w.astype(np.float64), ds.astype(np.float64)
+            qi, ki, vi, di = q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], dout[:, q0:q1]
+            outs = [qi @ ki.transpose(0, 2, 1), w @ vi]
+            if mode != "forward":
+                outs += [qi @ ki.transpose(0, 2, 1), di @ vi.transpose(0, 2, 1), ds @ ki,
+                         w.transpose(0, 2, 1) @ di, ds.transpose(0, 2, 1) @ qi]
+            total += sum(float(o.sum()) for o in outs)
+    return total
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+def test_core_benchmark_times_the_products_it_names(mode):
+    """``benchmarks.core``: the JAX and torch products programs both compute the products of the
+    blocks given (two a block forward, seven forward+backward; their sums against float64
+    NumPy), and the FLOP count is theirs."""
+    from benchmarks import core
+
+    shape = {"batch": 1, "heads": 4, "tokens": 64, "head_dim": 8}
+    ranges = [(0, 32, 0, 32), (32, 64, 0, 64)]  # two causal query blocks of 32
+    ops = core.inputs(shape, 2, ranges)
+    want = _numpy_products(ops, ranges, mode)
+    for run in (core.jax_products(ops, ranges, mode), core.torch_products(ops, ranges, mode)):
+        assert float(run()) == pytest.approx(want, rel=1e-4)
+    per_unit = 2 * (32 * 32 + 32 * 64) * 8
+    assert core.product_flops(shape, ranges, mode) == 4 * per_unit * (2 if mode == "forward" else 7)
+
+
+def test_core_benchmark_refuses_products_that_disagree_and_follows_the_library_plan():
+    from benchmarks import core
+
+    with pytest.raises(AssertionError, match="products disagree"):
+        core.check_products_agree(lambda: np.float32(1.0), lambda: 1.01)
+    bq, chunk, ranges = core.plan(8, 1024, 12, 64)  # GPT-2-small's core: causal blocks, whole units
+    assert ranges[0][:3] == (0, bq, 0) and ranges[-1][1] == 1024
+    assert all(k0 == 0 and k1 == q1 for q0, q1, k0, k1 in ranges) and (8 * 12) % chunk == 0
+    rows = core.run(1, core.SMOKE_SHAPE)
+    assert {(r["mode"], r["contender"]) for r in rows} == {
+        (m, c) for m in core.MODES for c in ("flax_attn core", "torch SDPA", "JAX products alone", "torch products alone")}
+    assert all(r["ratio_vs_torch_sdpa"] == 1.0 for r in rows if r["contender"] == "torch SDPA")
+    from benchmarks import tables
+
+    text = tables.tables({"machine": core.machine(), "repeats": 1, "rows": rows})  # a result file renders
+    body = [line for line in text.splitlines() if line.startswith("| forward")]
+    assert [line.rsplit("|", 2)[1].strip() for line in body] == [f"{r['ratio_vs_torch_sdpa']:.2f}x" for r in rows]
