@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 from typing import Any, Callable, Optional
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,8 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
     The step compiles once per input shape (one prefill shape, one step shape), runs
     deterministically (no dropout: a flax_attn layer is called with ``deterministic=True``;
     an NNX module in eval mode, ``module.eval()`` on the step's own copy, every submodule
-    included; a Linen container must pass ``deterministic`` to its layers itself) and, with
+    included; any Linen module whose call takes a ``deterministic`` argument is called with
+    ``deterministic=True``, and a container must pass it on to its layers) and, with
     ``donate=True``, donates the cache so that it is updated in place. The cache given to a
     step must not be used again (JAX deletes its buffers): keep the one the step returns.
 
@@ -245,7 +248,14 @@ def _cached_call(layer, who: str):
     if isinstance(layer, nn.Module):
         def call(variables, cache, x, positions, segment_ids):
             args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
-            return layer.apply(variables, *args, cache=cache, **_deterministic(layer))
+            try:
+                return layer.apply(variables, *args, cache=cache, **_deterministic(layer, args))
+            except flax.errors.InvalidRngError as e:
+                raise TypeError(
+                    f"{who} runs {type(layer).__name__} without RNGs (decoding never drops), but a submodule "
+                    f"asked for one ({e}). Give its __call__ a `deterministic` argument passed on to its "
+                    f"layers ({who} passes deterministic=True where the call takes one), or call them with "
+                    "deterministic=True yourself") from None
 
         return call, None
     from flax import nnx  # imported here: Linen users need not load NNX
@@ -258,7 +268,7 @@ def _cached_call(layer, who: str):
         module = nnx.merge(graphdef, state)
         module.eval()  # this copy only: no dropout in any submodule (the caller's module keeps its mode)
         args = (x, positions) if segment_ids is None else (x, positions, segment_ids)
-        return module(*args, cache=cache, **_deterministic(module))
+        return module(*args, cache=cache, **_deterministic(module, args))
 
     return call_nnx, lambda: nnx.state(layer)
 
@@ -307,7 +317,14 @@ class _Reader:
         return result
 
 
-def _deterministic(module) -> dict:
-    """``deterministic=True`` for a layer with attention dropout (decoding never drops)."""
+def _deterministic(module, args) -> dict:
+    """``deterministic=True`` for a module whose call takes a ``deterministic`` argument beside
+    ``args`` and the cache (Flax's convention: the flax_attn layers, a container passing it on to
+    its layers), or a layer with attention dropout in its config (decoding never drops)."""
+    try:
+        inspect.signature(type(module).__call__).bind(module, *args, cache=None, deterministic=True)
+        takes = True
+    except (TypeError, ValueError):  # no such argument, or no signature to read
+        takes = False
     config = getattr(module, "config", None)
-    return {"deterministic": True} if getattr(config, "dropout", 0.0) else {}
+    return {"deterministic": True} if takes or getattr(config, "dropout", 0.0) else {}

@@ -1,12 +1,14 @@
 """The decoding path: keys written into the cache in place, attention over the cache itself,
 both cache layouts, the jitted step with the cache donated (flax_attn.decode_step, Linen and
 NNX), the cache's dtype, and padding that never reaches the cache."""
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import flax.linen as nn
 from flax import nnx
 
 import flax_attn as fa
@@ -174,6 +176,34 @@ def test_decode_step_linen_jits_once_and_updates_in_place(monkeypatch):
     drop = fa.Attention(fa.AttentionConfig(d_model=D, num_heads=N, num_kv_heads=2, dropout=0.5))
     out, _ = fa.decode_step(drop, donate=False)(params, drop.init_cache(2, 4), x[:, :2], positions[:, :2])
     assert_close(out, full[:, :2], np.float32, "dropout layer decodes without dropout")
+
+
+class _Container(nn.Module):
+    """A decoder of one attention layer with dropout, as users write them: ``deterministic``
+    defaults to False (training) and is passed on, or, without the argument, always False."""
+    config: fa.AttentionConfig
+    takes_deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x, positions, cache=None, deterministic=False):
+        if not self.takes_deterministic:
+            deterministic = False
+        return fa.Attention(self.config, name="attn")(x, positions, cache=cache, deterministic=deterministic)
+
+
+def test_decode_step_runs_a_linen_container_deterministically():
+    """A container whose call takes ``deterministic`` is called with True (its dropout layer then
+    equals the same layer without dropout); one that hides it gets a TypeError that says what to
+    do, not Flax's missing-RNG error from inside the step."""
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2})
+    full = layer.apply(params, x, positions)
+    drop = dataclasses.replace(config, dropout=0.5)
+    wrapped = {"params": {"attn": params["params"]}}
+    out, _ = fa.decode_step(_Container(drop), donate=False)(wrapped, layer.init_cache(2, 4), x[:, :2], positions[:, :2])
+    assert_close(out, full[:, :2], np.float32, "container decodes without dropout")
+    step = fa.decode_step(_Container(drop, takes_deterministic=False), donate=False)
+    with pytest.raises(TypeError, match=r"decode_step runs _Container without RNGs .*`deterministic` argument"):
+        step(wrapped, layer.init_cache(2, 4), x[:, :2], positions[:, :2])
 
 
 def test_decode_step_nnx_equals_linen():
