@@ -103,7 +103,7 @@ class MultiHeadAttentionWrapper(Dropout, nnx.Module):
 
     def __call__(self, x, *, deterministic: Optional[bool] = None, rngs=None):
         keys = None
-        if dropout_on(self.dropout, self._resolve_deterministic(deterministic), "CausalAttention", DROPOUT_HOW):
+        if dropout_on(self.dropout, self._resolve_deterministic(deterministic), "MultiHeadAttentionWrapper", DROPOUT_HOW):
             per_head = list(jax.random.split(rngs, self.num_heads)) if isinstance(rngs, jax.Array) else \
                 [rngs] * self.num_heads  # a stream (or None: each head's own) is drawn from in turn
             keys = [getattr(self, f"heads_{i}")._dropout_key(self.dropout, False, per_head[i], "CausalAttention")

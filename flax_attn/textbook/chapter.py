@@ -103,6 +103,7 @@ def multi_head_attention_wrapper_params(d_in: int, d_out: int, context_length: i
     """Specs: ``heads_0`` .. ``heads_{num_heads-1}``, each :func:`causal_attention_params`."""
     _check_sizes("MultiHeadAttentionWrapper", d_in=d_in, d_out=d_out, context_length=context_length,
                  num_heads=num_heads)
+    _checks.check_rate("MultiHeadAttentionWrapper dropout", dropout)
     head = causal_attention_params(d_in, d_out, context_length, dropout, qkv_bias)
     return {f"heads_{i}": head for i in range(num_heads)}
 
@@ -282,7 +283,7 @@ class MultiHeadAttentionWrapper(nn.Module):
     def __call__(self, x, *, deterministic: Optional[bool] = None):
         params = declared(self, self._specs())
         rngs = None
-        if dropout_on(self.dropout, deterministic, "CausalAttention"):
+        if dropout_on(self.dropout, deterministic, "MultiHeadAttentionWrapper"):
             # each head draws its key in its own scope, as a CausalAttention submodule would
             rngs = [getattr(self, f"heads_{i}").rng("dropout") for i in range(self.num_heads)]
         return multi_head_attention_wrapper(self.d_in, self.context_length, self.dropout, self.num_heads, params, x,

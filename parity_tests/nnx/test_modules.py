@@ -250,6 +250,12 @@ def test_dropout_uses_the_given_key_in_the_shared_stage():
     np.testing.assert_array_equal(model(x, positions, deterministic=False, rngs=key), got)
 
 
+def test_wrapper_dropout_error_names_the_wrapper():
+    model = fnnx.MultiHeadAttentionWrapper(3, 2, 6, 0.1, 2, rngs=nnx.Rngs(0, dropout=1))
+    with pytest.raises(ValueError, match=r"MultiHeadAttentionWrapper has dropout=0.1: pass deterministic=True"):
+        model(jnp.zeros((1, 2, 3)))
+
+
 def test_dropout_needs_deterministic_and_follows_eval_train_and_view():
     config, x, positions = _dropout_attention()
     model = fnnx.Attention(config, rngs=nnx.Rngs(0, dropout=1))

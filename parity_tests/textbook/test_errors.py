@@ -40,6 +40,11 @@ CASES = {
                                ValueError, "CausalAttention context_length must be a positive integer, got 0"),
     "chapter deterministic": (lambda: init(fa.CausalAttention(3, 2, 6, 0.1), z(1, 2, 3)), ValueError,
                               "CausalAttention has dropout=0.1: pass deterministic=True"),
+    "chapter wrapper deterministic": (lambda: init(fa.MultiHeadAttentionWrapper(3, 2, 6, 0.1, 2), z(1, 2, 3)),
+                                      ValueError, "MultiHeadAttentionWrapper has dropout=0.1: pass deterministic=True"),
+    "chapter wrapper dropout": (lambda: init(fa.MultiHeadAttentionWrapper(3, 2, 6, 1.5, 2), z(1, 2, 3),
+                                             deterministic=True),
+                                ValueError, "MultiHeadAttentionWrapper dropout must be in [0, 1), got 1.5"),
     "transformer d_model": (lambda: init(fa.TransformerMultiHeadAttention(6, 4), z(1, 2, 6), z(1, 2, 6), z(1, 2, 6)),
                             ValueError, "d_model (6) must be divisible by num_heads (4)"),
     # basics
