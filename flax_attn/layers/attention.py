@@ -45,9 +45,9 @@ from flax_attn import _checks
 from flax_attn.core import dot_product_attention
 from flax_attn.core import mask as mask_lib
 from flax_attn.core import tuning
-from flax_attn.layers.cache import BLOCK, ContextKV, KVCache, combined_mask, one_query_key_positions
-from flax_attn.layers.common import (ParamSpec, by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
-                                     linear_params, norm, norm_params, rms_norm, embed_params)
+from flax_attn.layers.cache import BLOCK, ContextKV, KVCache, combined_mask, one_query_key_positions, stored_ints
+from flax_attn.layers.common import (ParamSpec, batched_positions, by_row_chunks, check_floating, declare, declared,
+                                     dense, dropout_rng, linear_params, norm, norm_params, rms_norm, embed_params)
 from flax_attn.positional import alibi as alibi_lib
 from flax_attn.positional import rope as rope_lib
 from flax_attn.positional import t5 as t5_lib
@@ -320,16 +320,6 @@ class AttentionConfig:
                               head_dim=self.kv_head_dim, dtype=dtype, rolling=rolling, layout=layout, block=block)
 
 
-def _batched_positions(name, positions, batch, length):
-    if positions is None:
-        return None
-    _checks.check_integer(name, positions)
-    shape = _checks.shape_of(positions)
-    if shape not in ((length,), (1, length), (batch, length)):
-        raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
-    return jnp.broadcast_to(_checks.as_positions(positions), (batch, length))  # RoPE reads absolute positions
-
-
 def attention_params(config: AttentionConfig) -> dict:
     """The parameter specs of the layer (see :class:`flax_attn.layers.common.ParamSpec`):
 
@@ -462,11 +452,11 @@ def context_kv_forward(config: AttentionConfig, params, context, context_positio
     c = config
     _check_context(c, context)
     B, S, _ = context.shape
-    context_positions = _batched_positions("context_positions", context_positions, B, S)
+    context_positions = batched_positions("context_positions", context_positions, B, S)
     if c.position != "none" and context_positions is None:
         raise ValueError(f"context_positions are required with position='{c.position}': pass positions of "
                          f"shape ({B}, {S})")
-    context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S)
+    context_segment_ids = batched_positions("context_segment_ids", context_segment_ids, B, S)
     k, v = _project_keys_values(c, params, context, context_positions, precision)
     return ContextKV(key=k, value=v, positions=context_positions, segment_ids=context_segment_ids)
 
@@ -523,22 +513,22 @@ def attention_forward(config: AttentionConfig, params, x, positions=None, segmen
                         f"got {type(cache).__name__}")
     S_new = (context.key.shape[1] if precomputed else context.shape[1]) if cross else T
     needs_positions = c.position != "none" or cache is not None or c.temperature_tuning is not None
-    positions = _batched_positions("positions", positions, B, T)
+    positions = batched_positions("positions", positions, B, T)
     if needs_positions and positions is None:
         why = f"position='{c.position}'" if c.position != "none" else \
             ("a cache" if cache is not None else "temperature_tuning")
         raise ValueError(f"positions are required with {why}: pass positions of shape ({B}, {T})")
     if cross:
         if not precomputed:
-            context_positions = _batched_positions("context_positions", context_positions, B, S_new)
+            context_positions = batched_positions("context_positions", context_positions, B, S_new)
         if c.position != "none" and context_positions is None:
             raise ValueError(f"context_positions are required with position='{c.position}'")
     else:
         context_positions = positions
-    segment_ids = _batched_positions("segment_ids", segment_ids, B, T)
+    segment_ids = batched_positions("segment_ids", segment_ids, B, T)
     if cross:
         if not precomputed:
-            context_segment_ids = _batched_positions("context_segment_ids", context_segment_ids, B, S_new)
+            context_segment_ids = batched_positions("context_segment_ids", context_segment_ids, B, S_new)
         if (segment_ids is None) != (context_segment_ids is None):
             raise ValueError("segment_ids and context_segment_ids must be given together"
                              + (" (the ContextKV was made with context_segment_ids="
@@ -576,8 +566,8 @@ def _attend(c: AttentionConfig, params, x, positions, segment_ids, context, cont
     in_place = False  # attending over the cache itself
     if cache is not None:
         # A cache stores int32 positions and segment ids (its keys are rotated already)
-        positions = None if positions is None else positions.astype(jnp.int32)
-        segment_ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
+        positions = stored_ints("positions", positions)
+        segment_ids = stored_ints("segment_ids", segment_ids)
         may_pad = segment_ids is not None  # padding comes only with segment ids
         if segment_ids is None:
             segment_ids = key_segments = jnp.zeros((B, T), jnp.int32)

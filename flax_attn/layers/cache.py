@@ -215,6 +215,7 @@ class KVCache:
         taking more than one token at once scatters into its ring).
         """
         self.check_compatible(key, value, positions, segment_ids)
+        positions, segment_ids = stored_ints("positions", positions), stored_ints("segment_ids", segment_ids)
         S, T = self.max_len, key.shape[1]
         key, value = self._stored(key), self._stored(value)  # slots are axis 1 of every array
         if not self.rolling:
@@ -321,6 +322,24 @@ class KVCache:
                 out, cache = step(params, cache, token, positions)
         """
         return reserve_slots(self, tokens, growth, self.block or BLOCK)
+
+
+def stored_ints(name: str, x):
+    """``x`` (int positions or segment ids ``(B, T)``) as the int32 a cache stores. Where JAX
+    holds it wider (int64 or uint32 and up, with ``jax_enable_x64``) a value outside int32's range
+    is a ``ValueError`` naming ``name`` (at once when concrete, when the program runs when
+    traced: :func:`flax_attn._checks.runtime_check`), never wrapped."""
+    if x is None:
+        return None
+    dtype = _checks.dtype_of(x)
+    if np.iinfo(dtype).max > np.iinfo(np.int32).max:
+        info = np.iinfo(np.int32)
+        traced = isinstance(x, jax.core.Tracer)
+        low, high = (jnp.min(x), jnp.max(x)) if traced else (np.min(np.asarray(x)), np.max(np.asarray(x)))
+        _checks.runtime_check((low >= info.min) & (high <= info.max),
+                              name + " must fit int32 to be stored in a KV cache, got values from {low} to {high}",
+                              low=low, high=high)
+    return jnp.asarray(x).astype(jnp.int32)
 
 
 def reserve_slots(cache, tokens: int, growth: float, multiple: int):

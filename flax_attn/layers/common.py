@@ -245,6 +245,21 @@ def by_row_chunks(stage: Callable, params, *rows):
         return run(params, *rows)
 
 
+def batched_positions(name: str, positions, batch: int, length: int):
+    """Integer ``positions`` (or segment ids) of shape ``(length,)``, ``(1, length)`` or ``(batch,
+    length)`` as ``(batch, length)``, in the integer type JAX holds them in (int64 where given so
+    under ``jax_enable_x64``, else int32: :func:`flax_attn._checks.as_positions`): RoPE reads
+    absolute positions, and none is wrapped here (a cache stores int32 and checks that they fit:
+    :func:`flax_attn.layers.cache.stored_ints`). None stays None."""
+    if positions is None:
+        return None
+    _checks.check_integer(name, positions)
+    shape = _checks.shape_of(positions)
+    if shape not in ((length,), (1, length), (batch, length)):
+        raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
+    return jnp.broadcast_to(_checks.as_positions(positions), (batch, length))
+
+
 def rms_norm(p: Mapping, x, epsilon: float):
     """RMS normalisation over the last axis with a learned ``scale`` (``nn.RMSNorm``'s numbers):
     ``x / sqrt(mean(x^2) + eps) * scale``, the statistics in at least float32."""

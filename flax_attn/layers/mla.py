@@ -80,9 +80,9 @@ import numpy as np
 from flax_attn import _checks
 from flax_attn.core import dot_product_attention, tuning
 from flax_attn.layers.cache import (BLOCK, GROWTH, combined_mask, one_query_key_positions, reserve_slots, resize_slots,
-                                    truncate_slots)
-from flax_attn.layers.common import (by_row_chunks, check_floating, declare, declared, dense, dropout_rng,
-                                     linear_params, on_one_cpu_device, rms_norm, scale_params)
+                                    stored_ints, truncate_slots)
+from flax_attn.layers.common import (batched_positions, by_row_chunks, check_floating, declare, declared, dense,
+                                     dropout_rng, linear_params, on_one_cpu_device, rms_norm, scale_params)
 from flax_attn.positional import rope as rope_lib
 
 
@@ -285,6 +285,7 @@ class LatentKVCache:
                              f"{_checks.shape_of(segment_ids)} must be {(B, T)}")
         if T > S:
             raise ValueError(f"{T} new tokens do not fit a latent cache of max_len={S}")
+        positions, segment_ids = stored_ints("positions", positions), stored_ints("segment_ids", segment_ids)
         _checks.runtime_check(
             self.length + T <= S,
             "latent KV cache overflow: {length} cached + {new} new tokens > max_len={max_len}; "
@@ -352,16 +353,6 @@ def mla_params(config: MLAConfig) -> dict:
     return specs
 
 
-def _per_token(name, value, batch, length):
-    if value is None:
-        return None
-    _checks.check_integer(name, value)
-    shape = _checks.shape_of(value)
-    if shape not in ((length,), (1, length), (batch, length)):
-        raise ValueError(f"{name} must have shape ({length},) or ({batch}, {length}), got {shape}")
-    return jnp.broadcast_to(jnp.asarray(value, jnp.int32), (batch, length))
-
-
 def _rope(config: MLAConfig, x, positions):
     return rope_lib.apply_rope(x, positions, theta=config.rope_theta, layout=config.rope_layout,
                                scaling=config.rope_scaling)
@@ -398,8 +389,8 @@ def mla_forward(config: MLAConfig, params: Mapping, x, positions, segment_ids=No
     if positions is None:
         raise ValueError(f"positions are required (RoPE and the causal rule use them): pass positions of shape "
                          f"({B}, {T})")
-    positions = _per_token("positions", positions, B, T)
-    segment_ids = _per_token("segment_ids", segment_ids, B, T)
+    positions = batched_positions("positions", positions, B, T)
+    segment_ids = batched_positions("segment_ids", segment_ids, B, T)
     if cache is not None:
         if not isinstance(cache, LatentKVCache):
             raise TypeError(f"cache must be a LatentKVCache (MLAConfig.init_cache), got {type(cache).__name__}")

@@ -169,6 +169,28 @@ def test_cache_overflow_is_a_clear_error():
         layer.apply(params, x[:, :7], positions[:, :7], cache=config.init_cache(batch=2, max_len=6))
 
 
+def test_positions_beyond_int32_are_refused_not_wrapped():
+    """A cache stores int32 positions and segment ids; int64 ones (the suite runs with
+    ``jax_enable_x64``) outside int32's range are an error naming them, eagerly and under jit,
+    for both cache kinds, and int64 ones within it are stored as they are."""
+    assert jax.config.jax_enable_x64
+    config, layer, params, x, positions = _setup({})
+    big = jnp.full((2, 2), 2**31, jnp.int64)
+    with pytest.raises(ValueError, match=r"positions must fit int32 to be stored in a KV cache, got values from "
+                                         r"2147483648 to 2147483648"):
+        layer.apply(params, x[:, :2], big, cache=config.init_cache(batch=2, max_len=6))
+    with pytest.raises(Exception, match="segment_ids must fit int32"):
+        jax.block_until_ready(jax.jit(layer.apply)(params, x[:, :2], positions[:, :2], -big - 1,
+                                                   cache=config.init_cache(batch=2, max_len=6)))
+    _, cache = layer.apply(params, x[:, :2], positions[:, :2].astype(jnp.int64), cache=config.init_cache(2, 6))
+    assert cache.positions.dtype == jnp.int32 and cache.positions[:, :2].tolist() == [[0, 1], [0, 1]]
+    mla = fa.MLAConfig(d_model=D, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+    latent = fa.MultiHeadLatentAttention(mla)
+    latent_params = latent.init(jax.random.key(0), x[:, :2], positions[:, :2])
+    with pytest.raises(ValueError, match="positions must fit int32"):
+        latent.apply(latent_params, x[:, :2], big, cache=mla.init_cache(2, 6))
+
+
 def test_cache_takes_left_padded_prompts():
     # Row 1's prompt is 2 tokens shorter: left-padded with segment id -1, positions from 0 at
     # its first real token. Its decoded tokens equal decoding it alone.
