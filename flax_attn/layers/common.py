@@ -73,11 +73,6 @@ def embed_params(num_embeddings: int, features: int) -> dict:
     return {"embedding": ParamSpec((num_embeddings, features), nn.initializers.normal(1.0))}
 
 
-LARGE_ROWS = tuning.LARGE_PROJECTION_ROWS
-"""From this many rows on, :func:`dense` on every CPU takes one of its two forms for large
-products (a 1-wide convolution over the rows, or the kernel read transposed; see there); on
-some from fewer (:func:`flax_attn.core.tuning.large_projection_rows`)."""
-
 
 def dense(p: Mapping, x, precision: Any = None):
     """``x @ kernel + bias`` over the last axis: ``(..., in) -> (..., out)``; ``nn.Dense``'s numbers.
@@ -86,8 +81,8 @@ def dense(p: Mapping, x, precision: Any = None):
     promoted to one dtype (float32 inputs with float64 parameters compute in float64).
 
     On CPU, from :func:`flax_attn.core.tuning.large_projection_rows` rows of ``x`` on
-    (:data:`LARGE_ROWS`, 4,096; 1,024 on Intel's CPUs with AVX-512), the product takes one of
-    two forms, both the same sums. Where
+    (:data:`flax_attn.core.tuning.LARGE_PROJECTION_ROWS`, 4,096; 1,024 on Intel's CPUs with
+    AVX-512), the product takes one of two forms, both the same sums. Where
     :func:`flax_attn.core.tuning.projections_as_convolutions` says so (AMD's family 25 and
     Intel's CPUs, with AVX-512), it is written as a convolution of width 1 over the rows
     (:func:`rows_product`), which XLA's CPU compiler turns back into a dot after the pass that

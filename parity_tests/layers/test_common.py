@@ -1,5 +1,5 @@
 """The layers' shared pieces (flax_attn.layers.common). The projection (dense): on CPU, from
-the CPU's threshold of rows on (LARGE_ROWS, or fewer: tuning.large_projection_rows), it is a 1-wide convolution over the rows, which XLA compiles into its own
+the CPU's threshold of rows on (tuning.LARGE_PROJECTION_ROWS, or fewer: tuning.large_projection_rows), it is a 1-wide convolution over the rows, which XLA compiles into its own
 dot, or (on other CPUs) reads its kernel transposed; every form is x @ kernel + bias, in outputs
 and in reverse and forward mode. The loop over batch rows (by_row_chunks): its decision per
 platform, and the same numbers as the whole batch, the derivatives' programs unchanged."""
@@ -10,7 +10,9 @@ import pytest
 
 from conftest import assert_close
 from flax_attn.core import tuning
-from flax_attn.layers.common import LARGE_ROWS, dense, rows_product
+from flax_attn.layers.common import dense, rows_product
+
+LARGE_ROWS = tuning.LARGE_PROJECTION_ROWS
 
 
 @pytest.mark.parametrize("threshold", [tuning.INTEL_LARGE_PROJECTION_ROWS, LARGE_ROWS])

@@ -284,12 +284,12 @@ def _measure_large_projection():
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     from flax_attn.core import tuning
-    from flax_attn.layers.common import LARGE_ROWS, dense
+    from flax_attn.layers.common import dense
 
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((4, LARGE_ROWS // 4, 16))
+    x = rng.standard_normal((4, tuning.LARGE_PROJECTION_ROWS // 4, 16))
     kernel = rng.standard_normal((16, 8))
-    ct = rng.standard_normal((4, LARGE_ROWS // 4, 8))
+    ct = rng.standard_normal((4, tuning.LARGE_PROJECTION_ROWS // 4, 8))
     want = {"out": x @ kernel, "d_kernel": np.einsum("btd,bto->do", x, ct), "d_x": ct @ kernel.T}
     results = {}
     with tuning.projections_as("convolution"):
