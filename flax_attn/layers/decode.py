@@ -84,7 +84,13 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
       (or the pytree of caches the module takes). ``step.check()`` raises the failed check of
       any step not yet read. ``step.jitted`` is the underlying ``jax.jit`` function (e.g.
       ``step.jitted._cache_size()`` counts its compilations); it returns ``((out, cache),
-      checks)``, ``checks`` one int32 vector (the verdicts and values of the run-time checks).
+      checks)``, ``checks`` one int32 vector (the verdicts and values of the run-time checks),
+      and ``step.raise_failed(checks)`` raises the ``ValueError`` of a failed one. It has no
+      host callback, so it is the form of a cached call that ``jax.export`` takes
+      (``jax.export.export(step.jitted)(variables, cache, x, positions, None)``; a layer called
+      with ``cache=`` under a plain ``jax.jit`` carries its checks as callbacks, which an export
+      refuses). An exported step's ``out`` is NaN where a check failed; its ``checks`` name the
+      failure through ``step.raise_failed`` in the process that traced it.
 
     Raises:
       TypeError: at a call, for ``cache=None``, positions that are not integers, or traced
@@ -120,6 +126,7 @@ def decode_step(layer, *, donate: bool = True, check_lag: int = CHECK_LAG,
 
     step.jitted = jitted
     step.check = read.check
+    step.raise_failed = _checks.raise_failed
     return step
 
 

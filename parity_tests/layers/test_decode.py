@@ -206,6 +206,25 @@ def test_decode_step_runs_a_linen_container_deterministically():
         step(wrapped, layer.init_cache(2, 4), x[:, :2], positions[:, :2])
 
 
+def test_decode_step_exports_with_its_checks_as_outputs():
+    """``jax.export`` of ``step.jitted`` (checks as outputs, no callbacks): the exported program
+    gives the step's output and cache; an overflowing call gives NaN and checks that
+    ``step.raise_failed`` reads as the overflow."""
+    config, layer, params, x, positions = _setup({"num_kv_heads": 2})
+    step = fa.decode_step(layer, donate=False)
+    cache = layer.init_cache(2, 3)
+    exported = jax.export.export(step.jitted)(params, cache, x[:, :2], positions[:, :2], None)
+    (out, new_cache), checks = exported.call(params, cache, x[:, :2], positions[:, :2], None)
+    want, want_cache = step(params, cache, x[:, :2], positions[:, :2])
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(new_cache.key, want_cache.key)
+    step.raise_failed(checks)  # all passed: no error
+    (out, _), checks = exported.call(params, new_cache, x[:, 2:4], positions[:, 2:4], None)
+    assert np.isnan(np.asarray(out)).all()
+    with pytest.raises(ValueError, match=r"KV cache overflow: 2 cached \+ 2 new tokens > max_len=3"):
+        step.raise_failed(checks)
+
+
 def test_decode_step_nnx_equals_linen():
     config, layer, params, x, positions = _setup({"num_kv_heads": 2, "qk_norm": True})
     model = fa.nnx.from_linen(layer, params)
