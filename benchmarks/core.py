@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks import cpu
+from benchmarks.decode import machine
 from benchmarks.run import RESULTS, time_in_turns
 
 SHAPE = {"batch": 8, "heads": 12, "tokens": 1024, "head_dim": 64}
@@ -216,11 +216,6 @@ def run(repeats: int = 10, shape: dict = SHAPE) -> list[dict]:
                          "blocks": len(ranges), "core_implementation": automatic_choice(B, T, N, H),
                          **shape})
     return rows
-
-
-def machine() -> dict:
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"cpu": cpu.kind(), "cores": os.cpu_count(), "load_1_5_15": [round(v, 2) for v in load]}
 
 
 def report(rows: list[dict], measured_on: dict = None) -> str:
