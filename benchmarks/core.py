@@ -4,7 +4,10 @@ GPT-2-small's core (batch 8, 12 heads of 64, 1,024 tokens, causal, float32), for
 forward+backward:
 
 * ``flax_attn core``: ``fa.dot_product_attention(..., is_causal=True)`` under ``jax.jit`` (the
-  automatic choice: query blocks on CPU);
+  automatic choice: on a CPU with AVX-512 the compiled kernel, :mod:`flax_attn.core.native`;
+  elsewhere query blocks);
+* ``flax_attn core (query_blocks)``: the same call with ``implementation='query_blocks'``, the
+  pure-JAX path whose products the two rows below time;
 * ``torch SDPA``: ``F.scaled_dot_product_attention(..., is_causal=True)`` (the peer);
 * ``JAX products alone``: only the matrix products of flax_attn's query-block plan on this
   machine (its own block size, units a step and key range of each block:
@@ -29,6 +32,7 @@ masks and copies all come on top.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -151,7 +155,8 @@ def torch_products(ops: dict, ranges, mode: str):
 
 
 def whole_cores(shape: dict, mode: str, seed: int = 1) -> dict:
-    """``{'flax_attn core': run, 'torch SDPA': run}`` for ``mode``; forward+backward takes the
+    """``{'flax_attn core': run, 'flax_attn core (query_blocks)': run, 'torch SDPA': run}`` for
+    ``mode``; forward+backward takes the
     gradients of ``sum(out * dout)`` with respect to the queries, keys and values."""
     import jax
     import jax.numpy as jnp
@@ -163,28 +168,30 @@ def whole_cores(shape: dict, mode: str, seed: int = 1) -> dict:
     B, N, T, H = shape["batch"], shape["heads"], shape["tokens"], shape["head_dim"]
     rng = np.random.default_rng(seed)
     q, k, v, dout = (rng.standard_normal((B, T, N, H), dtype=np.float32) for _ in range(4))
-    core = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True)
+    cores = {"flax_attn core": None, "flax_attn core (query_blocks)": "query_blocks"}
     jq, jk, jv, jd = map(jnp.asarray, (q, k, v, dout))
     heads_first = lambda x, grad=False: torch.from_numpy(x).transpose(1, 2).contiguous().requires_grad_(grad)
     tq, tk, tv = (heads_first(x, grad=mode != "forward") for x in (q, k, v))
     td = heads_first(dout)
-    if mode == "forward":
-        forward = jax.jit(core)
-
-        def torch_run():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
-
-        return {"flax_attn core": lambda: forward(jq, jk, jv), "torch SDPA": torch_run}
-    grads = jax.jit(jax.grad(lambda q, k, v, d: jnp.sum(core(q, k, v) * d), argnums=(0, 1, 2)))
+    runs = {}
+    for label, impl in cores.items():
+        core = functools.partial(fa.dot_product_attention, is_causal=True, implementation=impl)
+        if mode == "forward":
+            runs[label] = functools.partial(jax.jit(core), jq, jk, jv)
+        else:
+            grads = jax.jit(jax.grad(lambda q, k, v, d, core=core: jnp.sum(core(q, k, v) * d), argnums=(0, 1, 2)))
+            runs[label] = functools.partial(grads, jq, jk, jv, jd)
 
     def torch_run():
+        if mode == "forward":
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
         for x in (tq, tk, tv):
             x.grad = None
         F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).backward(td)
         return tq.grad
 
-    return {"flax_attn core": lambda: grads(jq, jk, jv, jd), "torch SDPA": torch_run}
+    return {**runs, "torch SDPA": torch_run}
 
 
 def check_products_agree(jax_run, torch_run) -> float:

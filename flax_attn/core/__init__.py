@@ -8,7 +8,9 @@
   :mod:`~flax_attn.core.blockwise` (flash-style, linear memory), :mod:`~flax_attn.core.query_blocks`
   (blocks of queries against their whole key range; the CPU choice at moderate lengths),
   :mod:`~flax_attn.core.key_blocks` (key blocks up to the filled length; the CPU choice for
-  decoding over a KV cache), :mod:`~flax_attn.core.cudnn`,
+  decoding over a KV cache), :mod:`~flax_attn.core.native` (a compiled CPU kernel: the CPU choice for
+  the float32 calls it serves),
+  :mod:`~flax_attn.core.cudnn`,
   and JAX's Pallas kernels in :mod:`~flax_attn.core.pallas` (splash, pallas_triton, pallas_decode);
 * :mod:`~flax_attn.core.attention`: :func:`dot_product_attention`.
 """
@@ -19,6 +21,7 @@ from flax_attn.core.call import Call
 from flax_attn.core.cudnn import CuDNN
 from flax_attn.core.key_blocks import KeyBlocks
 from flax_attn.core.mask import Mask
+from flax_attn.core.native import CpuNative
 from flax_attn.core.numerics import dropout, masked_softmax
 from flax_attn.core.pallas import PallasDecode, PallasTriton, Splash
 from flax_attn.core.query_blocks import QueryBlocks
@@ -38,6 +41,8 @@ registry.register(PallasTriton(), before="blockwise")
 registry.register(QueryBlocks(), before="blockwise")
 # On CPU: few queries against a key axis mostly unused at run time (a decoding step over a KV cache)
 registry.register(KeyBlocks(), before="query_blocks")
+# On x86-64 CPUs with AVX-512: the compiled kernel, first for the float32 calls it serves
+registry.register(CpuNative(), before="key_blocks")
 
-__all__ = ["Blockwise", "Call", "CuDNN", "Implementation", "KeyBlocks", "Mask", "PallasDecode", "PallasTriton", "QueryBlocks", "Result", "Splash",
+__all__ = ["Blockwise", "Call", "CpuNative", "CuDNN", "Implementation", "KeyBlocks", "Mask", "PallasDecode", "PallasTriton", "QueryBlocks", "Result", "Splash",
            "XLA", "dot_product_attention", "dropout", "keep_host_memory", "mask", "masked_softmax", "registry"]

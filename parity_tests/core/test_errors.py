@@ -83,7 +83,7 @@ CASES = {
         lambda: fa.dot_product_attention(Q, K, V, mask=fa.masks.mask_mod(lambda b, qi, ki: qi >= ki)),
         TypeError, "mask_mod must take (b, n, q_idx, k_idx), int32 scalars: too many positional arguments"),
     "unknown implementation": (lambda: fa.dot_product_attention(Q, K, V, implementation="pallas"), ValueError,
-                               "implementation must be one of ['pallas_decode', 'cudnn', 'splash', 'pallas_triton', 'key_blocks', "
+                               "implementation must be one of ['pallas_decode', 'cudnn', 'splash', 'pallas_triton', 'cpu_native', 'key_blocks', "
                                "'query_blocks', 'blockwise', 'xla'], got 'pallas'"),
     "dropout rate 1": (lambda: fa.dot_product_attention(Q, K, V, dropout_rate=1.0, dropout_rng=jax.random.key(0)),
                        ValueError, "dropout_rate must be in [0, 1), got 1.0"),

@@ -25,16 +25,43 @@ def _chosen(**kw):
     return registry.choose(_call(**kw)).name
 
 
-NAMES = ["pallas_decode", "cudnn", "splash", "pallas_triton", "key_blocks", "query_blocks", "blockwise", "xla"]
+NAMES = ["pallas_decode", "cudnn", "splash", "pallas_triton", "cpu_native", "key_blocks", "query_blocks", "blockwise",
+         "xla"]
 
 
 def test_registry_order_and_names():
     assert registry.names() == NAMES  # the plain path serves everything, last
-    if jax.default_backend() == "cpu":
-        assert [i.name for i in registry.available()] == ["key_blocks", "query_blocks", "blockwise", "xla"]  # the kernels need GPU/TPU
+    if jax.default_backend() == "cpu":  # the Pallas kernels need GPU/TPU
+        assert [i.name for i in registry.available()] == ["cpu_native", "key_blocks", "query_blocks", "blockwise", "xla"]
 
 
-def test_automatic_choice_on_cpu():
+@pytest.fixture
+def without_the_compiled_kernel(monkeypatch):
+    """The automatic choice on a CPU where the compiled kernel cannot run (no AVX-512, no compiler)."""
+    from flax_attn.core import native
+    monkeypatch.setattr(native, "unavailable", lambda: "this CPU (it lacks avx512f)")
+
+
+def test_automatic_choice_on_cpu_takes_the_compiled_kernel_where_it_serves():
+    from flax_attn.core import native
+    if native.unavailable() is not None:
+        pytest.skip(f"the compiled kernel cannot run here: {native.unavailable()}")
+    assert _chosen() == "cpu_native"
+    assert _chosen(T=1, S=1024) == "cpu_native"   # any length, no mask beyond causal
+    assert _chosen(T=64, S=64, is_causal=False) == "cpu_native"
+    assert _chosen(return_residual=True) == "cpu_native"
+    in_use = np.array([300, 1000], np.int32)
+    assert _chosen(T=1, S=8192, key_value_seq_lengths=in_use) == "key_blocks"   # lengths: not the kernel's
+    assert _chosen(dtype=jnp.float64) == "query_blocks"                          # float32 only
+    assert _chosen(H=72) == "query_blocks"                                       # head dims of multiples of 16
+    assert _chosen(local_window_size=(16, 0)) == "query_blocks"
+    positions = np.tile(np.arange(1024, dtype=np.int32), (2, 1))
+    assert _chosen(query_positions=positions, key_positions=positions) == "blockwise"
+    assert _chosen(dropout_rate=0.1, dropout_rng=jax.random.key(0)) == "xla"
+    assert _chosen(platform="gpu") == "xla"
+
+
+def test_automatic_choice_on_cpu(without_the_compiled_kernel):
     assert _chosen() == "query_blocks"             # 4 query blocks of 256, key ranges known at trace time
     assert _chosen(T=1, S=1024) == "xla"      # one decoding step
     in_use = np.array([300, 1000], np.int32)  # decoding over a cache of 8192 slots, its fill known at run time
@@ -242,7 +269,10 @@ def test_a_toy_implementation_registers_serves_and_leaves(toy):
     for g, rg in zip(jax.jit(jax.grad(loss(toy), argnums=(0, 1, 2, 3)))(q, k, v, bias),
                      jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2, 3)))(q, k, v, bias)):
         assert max_rel_error(g, rg) <= 1e-12
-    assert _chosen() == "query_blocks"  # not preferred: the automatic choice is unchanged
+    registry.unregister("toy-chunked")
+    before = _chosen()
+    registry.register(toy)
+    assert _chosen() == before  # not preferred: the automatic choice is unchanged
     with pytest.raises(ValueError, match="implementation='toy-chunked' does not support dropout"):
         fa.dot_product_attention(q, k, v, dropout_rate=0.5, dropout_rng=jax.random.key(0), implementation=toy)
     with pytest.raises(ValueError, match="already registered"):

@@ -1,0 +1,323 @@
+"""A fused attention kernel for x86-64 CPUs with AVX-512, written in C++ and called through
+XLA's FFI (``jax.ffi``): implementation ``'cpu_native'``.
+
+    out = softmax(scale * Q K^T [causal]) V     forward and backward each one kernel call
+
+The source (``attention.cc`` beside this file) is compiled with the system's C++ compiler at
+first use (``$CXX``, else ``g++``; about 5 s) into a cache directory (``$FLAX_ATTN_CACHE``,
+else ``~/.cache/flax_attn``), keyed by the source, the compiler and jaxlib's version, and
+loaded from there afterwards. Nothing is downloaded; where there is no compiler, the CPU is
+not x86-64 with AVX-512 or the build fails, the implementation refuses every call and says why
+(:func:`unavailable`).
+
+**What it serves.** float32 queries, keys and values, grouped-query heads, causal masking with
+the default positions (query ``t`` sees keys ``s <= t + S - T``) or no mask, head dims that are
+multiples of 16, the scale. Refused, each by name: other dtypes, a bias, boolean masks, explicit
+positions, segment ids, lengths, windows, chunks, soft-capping, sinks, score and mask rules,
+dropout, returned weights, symbolic shapes. ``return_residual`` is served.
+
+**Derivatives and transformations.** Every order of both modes, under ``jit``, ``vmap`` and
+``checkpoint``. Reverse mode runs the kernel's backward entry point (the weights recomputed
+from the saved log-sum-exp, whose own cotangent it takes too); forward mode and second and
+higher derivatives differentiate the query-block path in JAX (slower, linear memory). The three
+primitives below say how. Under ``vmap`` the mapped axis joins the batch axis: one kernel call.
+
+**The automatic choice** takes it on CPU for the float32 calls it serves from ``min_length``
+tokens (queries and keys); ``jax.export`` refuses programs holding it (its FFI target has no
+compatibility guarantee): export with ``implementation='query_blocks'``, or pass
+``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name)]`` for both
+:data:`TARGETS` where the exported program runs in a process that loaded this kernel.
+
+**Speed.** GPT-2-small's core (8 x 12 heads x 1,024 tokens, causal, float32) against PyTorch's
+``scaled_dot_product_attention``: ``python -m benchmarks.core`` (the README's tables).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import platform as _platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
+
+SOURCE = Path(__file__).with_name("attention.cc")
+FLAGS = ("-std=c++17", "-O3", "-march=x86-64-v4", "-fopenmp", "-fPIC", "-shared")
+# x86-64-v4's AVX-512 subsets, as /proc/cpuinfo names them
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+TARGETS = {"forward": "flax_attn_cpu_forward", "backward": "flax_attn_cpu_backward"}
+
+
+def cache_dir() -> Path:
+    """Where the compiled kernel is kept: ``$FLAX_ATTN_CACHE``, else ``~/.cache/flax_attn``."""
+    return Path(os.environ.get("FLAX_ATTN_CACHE") or Path.home() / ".cache" / "flax_attn")
+
+
+def _cpu_refusal() -> Optional[str]:
+    if _platform.system() != "Linux" or _platform.machine() not in ("x86_64", "AMD64"):
+        return f"{_platform.system()} on {_platform.machine()} (the kernel needs Linux on x86-64 with AVX-512)"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError as e:
+        return f"an unreadable /proc/cpuinfo ({e})"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    missing = [f for f in CPU_FLAGS if f not in flags]
+    return f"this CPU (it lacks {', '.join(missing)})" if missing else None
+
+
+def _build() -> Path:
+    """The compiled library's path, compiling it first if the cache lacks it. Raises
+    ``RuntimeError`` with the compiler's output if that fails."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} is not on PATH; set $CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version, jax.__version__, jax.lib.__version__,
+                                                      include)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # compile into a fresh name, then rename: processes building at once never load half a file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-isystem", include, str(SOURCE), "-o", tmp],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed ({compiler}, exit {done.returncode}):\n"
+                               f"{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple:
+    """``(library, None)`` once the kernel is built, loaded and registered with XLA, else
+    ``(None, reason)``."""
+    reason = _cpu_refusal()
+    if reason:
+        return None, reason
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (RuntimeError, OSError) as e:
+        return None, f"a kernel that could not be built or loaded: {e}"
+    jax.ffi.register_ffi_target(TARGETS["forward"], jax.ffi.pycapsule(lib.FlaxAttnCpuForward), platform="cpu")
+    jax.ffi.register_ffi_target(TARGETS["backward"], jax.ffi.pycapsule(lib.FlaxAttnCpuBackward), platform="cpu")
+    return lib, None
+
+
+def unavailable() -> Optional[str]:
+    """Why the kernel cannot run here (a phrase completing "does not support ..."), or None once
+    it is compiled and loaded."""
+    return _load()[1]
+
+
+# ---------------------------------------------------------------------------- the primitives
+#
+# Three primitives carry the kernel through JAX's transformations; ``p`` is their parameters
+# (causal, scale, block_q), ``res`` the residuals ``q, k, v, out, lse``:
+#
+#   forward_p(q, k, v)                  -> out, lse          the kernel's forward entry point
+#   tangent_p(*res, dq, dk, dv)         -> dout, dlse        linear in dq, dk, dv (pure JAX)
+#   backward_p(*res, ct_out, ct_lse)    -> ct_q, ct_k, ct_v  linear in ct_out, ct_lse: the kernel's
+#                                                            backward entry point
+#
+# forward_p's JVP is forward_p and tangent_p; tangent_p and backward_p are each other's
+# transposes, so reverse mode runs the two kernel entry points and forward mode the tangent in
+# JAX. The JVPs of tangent_p and backward_p (second and higher derivatives) differentiate the
+# query-block path's own derivatives in JAX. Every rule treats out and lse as the functions of
+# q, k and v that they are. Under vmap the mapped axis joins the batch axis (each batch row is
+# independent), so the kernel runs once.
+
+
+def _attrs(p: dict) -> dict:
+    return dict(causal=np.int64(p["causal"]), scale=np.float32(p["scale"]), block_q=np.int64(p["block_q"]))
+
+
+def _kernel_forward(q, k, v, **p):
+    B, T, N, _ = q.shape
+    shapes = (jax.ShapeDtypeStruct((B, T, N, v.shape[3]), jnp.float32), jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    return jax.ffi.ffi_call(TARGETS["forward"], shapes)(q, k, v, **_attrs(p))
+
+
+def _kernel_backward(q, k, v, out, lse, ct_out, ct_lse, **p):
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+    return jax.ffi.ffi_call(TARGETS["backward"], shapes)(q, k, v, out, lse, ct_out, ct_lse, **_attrs(p))
+
+
+def _reference(q, k, v, **p):
+    """``(out, lse (B, N, T))`` by the query-block path, which every transformation and order serves."""
+    from flax_attn.core.attention import dot_product_attention
+
+    out, lse = dot_product_attention(q, k, v, is_causal=p["causal"], scale=p["scale"], return_residual=True,
+                                     implementation="query_blocks")
+    return out, jnp.transpose(lse, (0, 2, 1))
+
+
+def _reference_tangent(q, k, v, out, lse, dq, dk, dv, **p):
+    return jax.jvp(functools.partial(_reference, **p), (q, k, v), (dq, dk, dv))[1]
+
+
+def _reference_backward(q, k, v, out, lse, ct_out, ct_lse, **p):
+    return jax.vjp(functools.partial(_reference, **p), q, k, v)[1]((ct_out, ct_lse))
+
+
+def _primitive(name: str, function, shapes):
+    """A primitive with several results, run and lowered as ``function`` (a JAX function of
+    arrays and the parameters), its results shaped as ``shapes(*avals, **params)`` says."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(lambda *args, **p: _jitted(function, tuple(sorted(p.items())))(*args))
+    prim.def_abstract_eval(lambda *avals, **p: [jax.core.ShapedArray(s, jnp.float32) for s in shapes(*avals)])
+    mlir.register_lowering(prim, mlir.lower_fun(function, multiple_results=True))
+    return prim
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(function, params: tuple):
+    return jax.jit(functools.partial(function, **dict(params)))
+
+
+def _forward_shapes(q, k, v):
+    B, T, N, _ = q.shape
+    return (B, T, N, v.shape[3]), (B, N, T)
+
+
+forward_p = _primitive("flax_attn_cpu_native_forward", _kernel_forward, _forward_shapes)
+tangent_p = _primitive("flax_attn_cpu_native_tangent", _reference_tangent, lambda q, k, v, out, lse, *_: (
+    out.shape, lse.shape))
+backward_p = _primitive("flax_attn_cpu_native_backward", _kernel_backward, lambda q, k, v, *_: (
+    q.shape, k.shape, v.shape))
+
+
+def _dense(tangents, values):
+    return [jnp.zeros(v.shape, jnp.float32) if type(t) is ad.Zero else t for t, v in zip(tangents, values)]
+
+
+def _forward_jvp(primals, tangents, **p):
+    out, lse = forward_p.bind(*primals, **p)
+    if all(type(t) is ad.Zero for t in tangents):
+        return (out, lse), (ad.Zero.from_primal_value(out), ad.Zero.from_primal_value(lse))
+    return (out, lse), tuple(tangent_p.bind(*primals, out, lse, *_dense(tangents, primals), **p))
+
+
+def _transposer(linear_to, outputs_like):
+    """The transpose rule of a primitive whose arguments after the five residuals are linear: their
+    cotangents are ``linear_to`` bound on the residuals and the cotangents of the primitive's
+    results (shaped as the residuals ``outputs_like`` picks, e.g. ``out, lse``)."""
+    def transpose(cts, *args, **p):
+        res, linear = args[:5], args[5:]
+        assert not any(ad.is_undefined_primal(x) for x in res), "the residuals are never linear inputs"
+        got = linear_to.bind(*res, *_dense(cts, [res[i] for i in outputs_like]), **p)
+        return [None] * 5 + [g if ad.is_undefined_primal(x) else None for g, x in zip(got, linear)]
+    return transpose
+
+
+def _jvp_in_jax(function):
+    """The JVP rule of a primitive computed by JAX's own differentiation of ``function``."""
+    def jvp(primals, tangents, **p):
+        out, tan = jax.jvp(functools.partial(function, **p), tuple(primals), tuple(_dense(tangents, primals)))
+        return tuple(out), tuple(tan)
+    return jvp
+
+
+def _batched(prim):
+    """The vmap rule: the mapped axis joins the batch axis of every argument and result."""
+    def rule(args, dims, **p):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        joined = [(jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0))
+                  for a, d in zip(args, dims)]
+        joined = [a.reshape((-1,) + a.shape[2:]) for a in joined]
+        outs = prim.bind(*joined, **p)
+        return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
+    return rule
+
+
+ad.primitive_jvps[forward_p] = _forward_jvp
+ad.primitive_jvps[tangent_p] = _jvp_in_jax(_reference_tangent)
+ad.primitive_jvps[backward_p] = _jvp_in_jax(_reference_backward)
+ad.primitive_transposes[tangent_p] = _transposer(backward_p, (3, 4))   # results: dout, dlse
+ad.primitive_transposes[backward_p] = _transposer(tangent_p, (0, 1, 2))  # results: ct_q, ct_k, ct_v
+for _prim in (forward_p, tangent_p, backward_p):
+    batching.primitive_batchers[_prim] = _batched(_prim)
+
+
+def attend(q, k, v, *, causal: bool, scale: float, block_q: int):
+    """``(out (B, T, N, Hv), lse (B, N, T))`` of float32 ``q`` ``(B, T, N, H)``, ``k`` ``(B, S, K,
+    H)``, ``v`` ``(B, S, K, Hv)`` through the kernel (which must be loaded: :func:`unavailable`)."""
+    return tuple(forward_p.bind(q, k, v, causal=bool(causal), scale=float(scale), block_q=int(block_q)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuNative(Implementation):
+    """The compiled CPU kernel (see the module docstring for what it serves and how it is built).
+
+    Fields:
+      block_q: queries per block: each block's logits against all its keys, ``block_q * S``
+        floats, are one thread's working set. 64 was the fastest of 64, 128 and 256 at
+        GPT-2-small's core on a 2-core Intel Xeon of family 6, model 207 (forward 0.72x, 0.89x
+        and 0.93x PyTorch's SDPA; the diagonal blocks' masked half is computed and discarded,
+        so smaller blocks waste less).
+    """
+
+    name: str = "cpu_native"
+    block_q: int = 64
+    min_length: int = 1
+
+    def __post_init__(self):
+        for field in ("block_q", "min_length"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CpuNative {field} must be a positive int, got {value!r}")
+
+    def runs_on(self, platform: str) -> bool:
+        return platform == "cpu"
+
+    def preferred(self, call) -> bool:
+        return call.platform == "cpu" and min(call.T, call.S) >= self.min_length
+
+    def supports(self, call) -> Optional[str]:
+        reason = refuses_dropout_and_weights(call)
+        if reason:
+            return reason
+        if call.platform != "cpu":
+            return f"the '{call.platform}' backend (the kernel runs on CPU)"
+        if np.dtype(call.dtype) != np.float32:
+            return f"dtype {np.dtype(call.dtype)} (the kernel computes in float32 only)"
+        for field in ("softcap", "sinks", "score_mod", "mask_mod"):
+            if getattr(call, field, None) is not None:
+                return f"{field} (the kernel has none)"
+        if not all(isinstance(d, (int, np.integer)) for d in (call.B, call.T, call.S)):
+            return "symbolic shapes (the kernel needs concrete sizes)"
+        if call.H % 16 or call.Hv % 16:
+            return f"head dims H={call.H}, Hv={call.Hv} (multiples of 16 only)"
+        m = call.mask
+        for field in dataclasses.fields(m):
+            if field.name in ("causal", "shape", "kv_finite"):  # kv_finite: a promise, not a rule
+                continue
+            value = getattr(m, field.name)
+            if not (value is None or value is False or (isinstance(value, tuple) and not value)):
+                return f"the mask rule '{field.name}' (the kernel serves causal masking by default positions only)"
+        return unavailable()
+
+    def __call__(self, call, query, key, value, dropout_rng) -> Result:
+        out, lse = attend(query, key, value, causal=call.mask.causal, scale=call.scale, block_q=self.block_q)
+        return Result(out=out, lse=jnp.transpose(lse, (0, 2, 1)) if call.return_residual else None)

@@ -1,0 +1,388 @@
+// A fused attention kernel for x86-64 CPUs with AVX-512, called from JAX through XLA's FFI.
+//
+//   out = softmax(scale * Q K^T [causal]) V          queries (B, T, N, H), keys (B, S, K, H),
+//   lse = log sum exp(scale * Q K^T [causal])        values (B, S, K, Hv), out (B, T, N, Hv),
+//                                                    lse (B, N, T); G = N / K query heads a key head
+//
+// The backward pass takes the cotangents of both out and lse: with P the weights,
+//   dS = P (dO V^T - rowsum(dO O) + dlse),  dQ = scale dS K,  dK = scale dS^T Q,  dV = P^T dO.
+//
+// Causal rows are aligned at the end: query t sees keys s <= t + S - T. A row that sees no key
+// gets zeros and lse = -inf. H and Hv are multiples of 16; everything is float32.
+//
+// Work is split into (batch row, key/value head) units over OpenMP threads (a unit's query heads and
+// blocks dealt to several tasks where there are too few units for the threads). A task packs its keys
+// (and, backward, its values) transposed into panels of 64 keys once, then visits its G query
+// heads' query blocks: the block's logits against all the keys it may see (one product), the
+// softmax over each row at once (no online rescaling), then the values' product. The backward
+// pass recomputes the weights from the saved lse and accumulates dK and dV in the task (in rows
+// of its own where a unit has several tasks, summed at the end), so no two threads write the
+// same rows.
+//
+// The products are one register-blocked micro-kernel: C[R x 16*NZ] += A(r, kk) * B[kk, :] with
+// A read through two strides (so A and its transpose are both served without copies) and B's
+// rows 16*NZ contiguous floats; the kk axis runs in chunks of KC so a chunk of B stays in L1.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t KC = 128;  // kk chunk of a product
+constexpr int64_t PANEL = 64;  // columns of a packed key panel
+
+// e^x on 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to degree 7
+// (relative error below 2e-7), 2^n by vscalefps. Inputs below -104 give 0 (denormal floor);
+// NaN stays NaN (vmaxps returns its second operand where either is NaN).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high part
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // ln2, low part
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The lanes of a 16-wide step starting at column j that lie below lim.
+inline __mmask16 below(int64_t j, int64_t lim) {
+  if (j + 16 <= lim) return 0xffff;
+  if (j >= lim) return 0;
+  return __mmask16((1u << (lim - j)) - 1);
+}
+
+// C[R x 16 NZ] (= or +=) alpha * sum_kk A(r, kk) B[kk, :], A(r, kk) = a[r ai + kk ak], B's row kk at b + kk bs.
+template <int R, int NZ>
+inline void micro(int64_t kd, const float* a, int64_t ai, int64_t ak, const float* b, int64_t bs, float alpha,
+                  bool acc, float* c, int64_t cs) {
+  __m512 s[R][NZ];
+  for (int r = 0; r < R; ++r)
+    for (int z = 0; z < NZ; ++z) s[r][z] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < kd; ++kk) {
+    __m512 bv[NZ];
+    for (int z = 0; z < NZ; ++z) bv[z] = _mm512_loadu_ps(b + kk * bs + 16 * z);
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * ai + kk * ak]);
+      for (int z = 0; z < NZ; ++z) s[r][z] = _mm512_fmadd_ps(av, bv[z], s[r][z]);
+    }
+  }
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int r = 0; r < R; ++r)
+    for (int z = 0; z < NZ; ++z) {
+      __m512 v = _mm512_mul_ps(s[r][z], al);
+      if (acc) v = _mm512_add_ps(v, _mm512_loadu_ps(c + r * cs + 16 * z));
+      _mm512_storeu_ps(c + r * cs + 16 * z, v);
+    }
+}
+
+// Every row of C in tiles of RM rows (fewer for the last): RM * NZ accumulators fit the 32 registers.
+template <int NZ>
+void rows(int64_t m, int64_t kd, const float* a, int64_t ai, int64_t ak, const float* b, int64_t bs, float alpha,
+          bool acc, float* c, int64_t cs) {
+  constexpr int RM = NZ == 4 ? 6 : 8;
+  int64_t i = 0;
+  for (; i + RM <= m; i += RM) micro<RM, NZ>(kd, a + i * ai, ai, ak, b, bs, alpha, acc, c + i * cs, cs);
+  const float* ar = a + i * ai;
+  float* cr = c + i * cs;
+  switch (m - i) {
+    case 7: micro<7, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 6: micro<6, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 5: micro<5, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 4: micro<4, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 3: micro<3, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 2: micro<2, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 1: micro<1, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    default: break;
+  }
+}
+
+// C[m x n] (= or +=) alpha * A B with n % 16 == 0; A(i, kk) = a[i ai + kk ak]; B in panels of 64
+// columns, panel p's row kk at b + p ps + kk bs.
+void gemm(int64_t m, int64_t n, int64_t kd, const float* a, int64_t ai, int64_t ak, const float* b, int64_t bs,
+          int64_t ps, float alpha, bool acc, float* c, int64_t cs) {
+  for (int64_t k0 = 0; k0 < kd; k0 += KC) {
+    const int64_t kn = std::min(KC, kd - k0);
+    const bool ac = acc || k0 > 0;
+    const float* a0 = a + k0 * ak;
+    for (int64_t j = 0, p = 0; j < n; j += PANEL, ++p) {
+      const float* bp = b + p * ps + k0 * bs;
+      switch (std::min(PANEL, n - j) / 16) {
+        case 4: rows<4>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
+        case 3: rows<3>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
+        case 2: rows<2>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
+        case 1: rows<1>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
+        default: break;
+      }
+    }
+  }
+}
+
+inline int64_t up16(int64_t x) { return (x + 15) & ~int64_t(15); }
+
+// x[j, d] (n rows at stride xs, D columns) packed transposed in panels of 64 rows: panel p holds
+// x[64 p + jj, d] at bt[p 64 D + d 64 + jj], zeros from row n up to n16 = up16(n).
+void pack_t(const float* x, int64_t xs, int64_t n, int64_t D, float* bt) {
+  const int64_t n16 = up16(n);
+  for (int64_t j0 = 0, p = 0; j0 < n16; j0 += PANEL, ++p) {
+    float* pp = bt + p * PANEL * D;
+    const int64_t w = std::min(PANEL, n16 - j0);
+    for (int64_t jj = 0; jj < w; ++jj) {
+      const int64_t j = j0 + jj;
+      if (j < n) {
+        for (int64_t d = 0; d < D; ++d) pp[d * PANEL + jj] = x[j * xs + d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) pp[d * PANEL + jj] = 0.f;
+      }
+    }
+  }
+}
+
+inline int64_t packed_floats(int64_t n, int64_t D) { return (up16(n) + PANEL) * D; }
+
+struct Shape {
+  int64_t B, T, S, N, K, H, Hv;
+  bool causal;
+  float scale;
+  int64_t bq;
+  int64_t G() const { return N / K; }
+  // keys query t of a block may see: [0, limit(t))
+  int64_t limit(int64_t t) const { return causal ? std::min(S, t + (S - T) + 1) : S; }
+  int64_t blocks() const { return (T + bq - 1) / bq; }
+  // Each (batch row, key/value head) unit's G x blocks() pieces (query head, query block) are
+  // dealt round-robin to parts() tasks: one a unit where the units alone give every thread two
+  // tasks, more where they do not (a batch of one with few key/value heads).
+  int64_t parts() const {
+    const int64_t threads = omp_get_max_threads(), units = B * K;
+    return std::max<int64_t>(1, std::min(G() * blocks(), (2 * threads + units - 1) / units));
+  }
+};
+
+void forward(const Shape& z, const float* q, const float* k, const float* v, float* o, float* lse) {
+  const int64_t qs = z.N * z.H, ks = z.K * z.H, vs = z.K * z.Hv, os = z.N * z.Hv;
+  const int64_t nqb = z.blocks(), parts = z.parts(), tasks = z.B * z.K * parts, G = z.G();
+#pragma omp parallel
+  {
+    std::vector<float> logits(z.bq * up16(z.S)), kt(packed_floats(z.S, z.H));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
+      const float* vp = v + b * z.S * vs + kh * z.Hv;
+      pack_t(k + b * z.S * ks + kh * z.H, ks, z.S, z.H, kt.data());
+      for (int64_t piece = part; piece < G * nqb; piece += parts) {
+        const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;  // longest blocks first
+        {
+          const int64_t q0 = i * z.bq, qn = std::min(z.bq, z.T - q0);
+          const int64_t k1 = std::max<int64_t>(z.limit(q0 + qn - 1), 0), kp = up16(k1);
+          float* op = o + (b * z.T + q0) * os + h * z.Hv;
+          float* lp = lse + (b * z.N + h) * z.T + q0;
+          if (k1 == 0) {
+            for (int64_t r = 0; r < qn; ++r) {
+              std::memset(op + r * os, 0, z.Hv * sizeof(float));
+              lp[r] = -INFINITY;
+            }
+            continue;
+          }
+          float* s = logits.data();
+          gemm(qn, kp, z.H, q + (b * z.T + q0) * qs + h * z.H, qs, 1, kt.data(), PANEL, PANEL * z.H, z.scale, false,
+               s, kp);
+          for (int64_t r = 0; r < qn; ++r) {
+            float* row = s + r * kp;
+            const int64_t lim = std::max<int64_t>(z.limit(q0 + r), 0);
+            __m512 mv = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < kp; j += 16)
+              mv = _mm512_mask_max_ps(mv, below(j, lim), mv, _mm512_loadu_ps(row + j));
+            const float m = _mm512_reduce_max_ps(mv);
+            if (lim == 0 || m == -INFINITY) {
+              std::memset(row, 0, kp * sizeof(float));
+              lp[r] = -INFINITY;
+              continue;
+            }
+            const __m512 mm = _mm512_set1_ps(m);
+            __m512 lv = _mm512_setzero_ps();
+            for (int64_t j = 0; j < kp; j += 16) {
+              const __m512 e = _mm512_maskz_mov_ps(below(j, lim), exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), mm)));
+              _mm512_storeu_ps(row + j, e);
+              lv = _mm512_add_ps(lv, e);
+            }
+            const float l = _mm512_reduce_add_ps(lv);
+            const __m512 inv = _mm512_set1_ps(1.f / l);
+            for (int64_t j = 0; j < lim; j += 16)
+              _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
+            lp[r] = m + std::log(l);
+          }
+          gemm(qn, z.Hv, k1, s, kp, 1, vp, vs, PANEL, 1.f, false, op, os);
+        }
+      }
+    }
+  }
+}
+
+void backward(const Shape& z, const float* q, const float* k, const float* v, const float* o, const float* lse,
+              const float* dout, const float* dlse, float* dq, float* dk, float* dv) {
+  const int64_t qs = z.N * z.H, ks = z.K * z.H, vs = z.K * z.Hv, os = z.N * z.Hv;
+  const int64_t nqb = z.blocks(), parts = z.parts(), tasks = z.B * z.K * parts, G = z.G();
+  // With several parts a unit, each part sums its dK and dV into rows of its own (S x (H + Hv)
+  // floats), added into dk and dv once every part is done; with one, straight into dk and dv.
+  std::vector<float> partial(parts > 1 ? tasks * z.S * (z.H + z.Hv) : 0);
+#pragma omp parallel
+  {
+    const int64_t Sp = up16(z.S);
+    std::vector<float> sbuf(z.bq * Sp), dpbuf(z.bq * Sp), dsum(z.bq), kt(packed_floats(z.S, z.H)),
+        vt(packed_floats(z.S, z.Hv));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
+      const float* kp0 = k + b * z.S * ks + kh * z.H;
+      float* dkp = parts > 1 ? partial.data() + task * z.S * (z.H + z.Hv) : dk + b * z.S * ks + kh * z.H;
+      float* dvp = parts > 1 ? dkp + z.S * z.H : dv + b * z.S * vs + kh * z.Hv;
+      const int64_t dks = parts > 1 ? z.H : ks, dvs = parts > 1 ? z.Hv : vs;
+      for (int64_t j = 0; j < z.S; ++j) {
+        std::memset(dkp + j * dks, 0, z.H * sizeof(float));
+        std::memset(dvp + j * dvs, 0, z.Hv * sizeof(float));
+      }
+      pack_t(kp0, ks, z.S, z.H, kt.data());
+      pack_t(v + b * z.S * vs + kh * z.Hv, vs, z.S, z.Hv, vt.data());
+      for (int64_t piece = part; piece < G * nqb; piece += parts) {
+        const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;
+        {
+          const int64_t q0 = i * z.bq, qn = std::min(z.bq, z.T - q0);
+          const int64_t k1 = std::max<int64_t>(z.limit(q0 + qn - 1), 0), kp = up16(k1);
+          const float* qp = q + (b * z.T + q0) * qs + h * z.H;
+          const float* op = o + (b * z.T + q0) * os + h * z.Hv;
+          const float* gp = dout + (b * z.T + q0) * os + h * z.Hv;
+          float* dqp = dq + (b * z.T + q0) * qs + h * z.H;
+          const float* lp = lse + (b * z.N + h) * z.T + q0;
+          const float* dlp = dlse + (b * z.N + h) * z.T + q0;
+          if (k1 == 0) {
+            for (int64_t r = 0; r < qn; ++r) std::memset(dqp + r * qs, 0, z.H * sizeof(float));
+            continue;
+          }
+          float *s = sbuf.data(), *dp = dpbuf.data();
+          for (int64_t r = 0; r < qn; ++r) {  // D_r = dO_r . O_r - dlse_r
+            __m512 d = _mm512_setzero_ps();
+            for (int64_t c = 0; c < z.Hv; c += 16)
+              d = _mm512_fmadd_ps(_mm512_loadu_ps(op + r * os + c), _mm512_loadu_ps(gp + r * os + c), d);
+            dsum[r] = _mm512_reduce_add_ps(d) - dlp[r];
+          }
+          gemm(qn, kp, z.H, qp, qs, 1, kt.data(), PANEL, PANEL * z.H, z.scale, false, s, kp);     // logits
+          gemm(qn, kp, z.Hv, gp, os, 1, vt.data(), PANEL, PANEL * z.Hv, 1.f, false, dp, kp);      // dP = dO V^T
+          for (int64_t r = 0; r < qn; ++r) {  // P, and dS = P (dP - D) in dP's place
+            float *row = s + r * kp, *drow = dp + r * kp;
+            const int64_t lim = std::max<int64_t>(z.limit(q0 + r), 0);
+            if (lim == 0 || lp[r] == -INFINITY) {
+              std::memset(row, 0, kp * sizeof(float));
+              std::memset(drow, 0, kp * sizeof(float));
+              continue;
+            }
+            const __m512 mm = _mm512_set1_ps(lp[r]), dd = _mm512_set1_ps(dsum[r]);
+            for (int64_t j = 0; j < kp; j += 16) {
+              const __m512 p = _mm512_maskz_mov_ps(below(j, lim), exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), mm)));
+              _mm512_storeu_ps(row + j, p);
+              _mm512_storeu_ps(drow + j, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(drow + j), dd)));
+            }
+          }
+          gemm(k1, z.Hv, qn, s, 1, kp, gp, os, PANEL, 1.f, true, dvp, dvs);        // dV += P^T dO
+          gemm(qn, z.H, k1, dp, kp, 1, kp0, ks, PANEL, z.scale, false, dqp, qs);   // dQ = scale dS K
+          gemm(k1, z.H, qn, dp, 1, kp, qp, qs, PANEL, z.scale, true, dkp, dks);    // dK += scale dS^T Q
+        }
+      }
+    }
+    if (parts > 1) {
+#pragma omp for schedule(static)
+      for (int64_t unit = 0; unit < z.B * z.K; ++unit) {
+        const int64_t kh = unit % z.K, b = unit / z.K;
+        for (int64_t j = 0; j < z.S; ++j) {
+          float* dkr = dk + (b * z.S + j) * ks + kh * z.H;
+          float* dvr = dv + (b * z.S + j) * vs + kh * z.Hv;
+          std::memset(dkr, 0, z.H * sizeof(float));
+          std::memset(dvr, 0, z.Hv * sizeof(float));
+          for (int64_t part = 0; part < parts; ++part) {
+            const float* src = partial.data() + (unit * parts + part) * z.S * (z.H + z.Hv);
+            for (int64_t c = 0; c < z.H; ++c) dkr[c] += src[j * z.H + c];
+            for (int64_t c = 0; c < z.Hv; ++c) dvr[c] += src[z.S * z.H + j * z.Hv + c];
+          }
+        }
+      }
+    }
+  }
+}
+
+ffi::Error shape_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, int64_t causal,
+                    float scale, int64_t block_q, Shape* z) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument("query, key and value must be 4-dimensional");
+  *z = Shape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3], causal != 0, scale, block_q};
+  if (kd[0] != z->B || vd[0] != z->B || vd[1] != z->S || vd[2] != z->K || kd[3] != z->H || z->K == 0 ||
+      z->N % z->K != 0 || z->H % 16 != 0 || z->Hv % 16 != 0 || block_q <= 0)
+    return ffi::Error::InvalidArgument("shapes outside the kernel's contract");
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t causal, float scale,
+                   int64_t block_q) {
+  Shape z;
+  ffi::Error e = shape_of(q, k, v, causal, scale, block_q, &z);
+  if (e.failure()) return e;
+  forward(z, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(), lse->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                    ffi::Buffer<ffi::F32> dlse,
+                    ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
+                    int64_t causal, float scale, int64_t block_q) {
+  Shape z;
+  ffi::Error e = shape_of(q, k, v, causal, scale, block_q, &z);
+  if (e.failure()) return e;
+  backward(z, q.typed_data(), k.typed_data(), v.typed_data(), out.typed_data(), lse.typed_data(), dout.typed_data(),
+           dlse.typed_data(), dq->typed_data(), dk->typed_data(), dv->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttnCpuForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("causal")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttnCpuBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("causal")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q"));

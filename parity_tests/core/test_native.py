@@ -1,0 +1,226 @@
+"""The compiled CPU kernel (``implementation='cpu_native'``, :mod:`flax_attn.core.native`).
+
+Outputs and gradients of float32 calls against the float64 reference of the conformance suite
+(relative 1e-5, exact zeros on rows that see nothing and on keys nobody sees); every
+transformation (jit, eager, vmap, checkpoint, forward mode, second derivatives) against the
+same transformation of the reference; the refusals, the automatic choice, and what happens where
+the kernel cannot be built. On a machine whose CPU cannot run the kernel (not Linux on x86-64
+with AVX-512) or without a C++ compiler the kernel's tests skip; with both, a kernel that fails
+to build fails them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_attn as fa
+from flax_attn.core import CpuNative, native, registry
+from flax_attn.core.call import describe
+
+from .test_conformance import Case, case_args, check_cases, reference_fn, rel_error
+
+CANNOT_RUN = native._cpu_refusal() or (None if shutil.which(os.environ.get("CXX", "g++")) else "no C++ compiler")
+needs_kernel = pytest.mark.skipif(CANNOT_RUN is not None, reason=f"the kernel cannot run here: {CANNOT_RUN}")
+
+CASES = [
+    # grouped queries, causal with T < S (aligned at the end), Hv != H, lengths no multiple of 16
+    Case("causal-gqa-T<S-Hv=32", (2, 20, 37, 4, 2, 16, 32), dict(is_causal=True), dtype=np.float32),
+    # no mask, multi-query, T > S, a scale
+    Case("mqa-T>S-scale", (2, 33, 21, 4, 1, 16, 16), dict(scale=0.3), dtype=np.float32),
+    # causal with T > S: the first 10 queries see nothing (zeros, zero gradients)
+    Case("causal-T>S", (2, 30, 20, 2, 2, 32, 16), dict(is_causal=True), dtype=np.float32),
+    # several query blocks of 64, the last one short; heads of 64
+    Case("causal-130", (1, 130, 130, 2, 1, 64, 64), dict(is_causal=True), dtype=np.float32),
+]
+
+
+@needs_kernel
+def test_the_kernel_builds_and_loads_here():
+    assert native.unavailable() is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_q", [64, 16, 7])
+def test_outputs_and_gradients_match_the_float64_reference(block_q):
+    failures, declines = check_cases(CpuNative(block_q=block_q), CASES)
+    assert not declines and not failures, failures + declines
+
+
+TRANSFORMS = {
+    "eager": lambda f, a, c: jax.vjp(f, *a)[1](c) + (f(*a),),
+    "jvp": lambda f, a, c: jax.jvp(f, tuple(a), tuple(0.5 * x for x in a)),
+    "vmap": lambda f, a, c: jax.vjp(jax.vmap(f), *[jnp.stack([x, x[::-1]]) for x in a])[1](jnp.stack([c, -c])),
+    "vmap-one-argument": lambda f, a, c: jax.vmap(f, in_axes=(0, None, None))(jnp.stack([a[0], -a[0]]), *a[1:]),
+    "checkpoint": lambda f, a, c: jax.vjp(jax.checkpoint(f), *a)[1](c),
+    "grad-of-grad": lambda f, a, c: jax.grad(
+        lambda *x: jnp.sum(jax.grad(lambda *y: jnp.sum(f(*y) * c))(*x) ** 2), argnums=(0, 1, 2))(*a),
+    "jvp-of-grad": lambda f, a, c: jax.jvp(jax.grad(lambda *y: jnp.sum(f(*y) * c), argnums=(0, 1, 2)),
+                                           tuple(a), tuple(0.3 * x for x in a))[1],
+    "jacfwd-of-grad": lambda f, a, c: jax.jacfwd(jax.grad(lambda q: jnp.sum(f(q, *a[1:]) * c)))(a[0])[1, 3],
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_transformations_match_the_reference(transform):
+    """Each transformation of the kernel (jitted, but 'eager') against the same transformation
+    of the float64 reference on the same float32 inputs: relative 1e-5. Reverse mode runs the
+    kernel's backward; forward mode and higher orders differentiate the query-block path."""
+    case = Case("transform", (2, 12, 17, 2, 1, 16, 16), dict(is_causal=True), dtype=np.float32)
+    args, cot = case_args(case)
+    apply = TRANSFORMS[transform]
+    f = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, implementation="cpu_native")
+    run = (lambda *a: apply(f, a, cot)) if transform == "eager" else jax.jit(lambda *a: apply(f, a, cot))
+    got = run(*args)
+    want = jax.jit(lambda *a: apply(reference_fn(case), a, cot.astype(np.float64)))(
+        *[x.astype(np.float64) for x in args])
+    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert len(got) == len(want) > 0
+    errors = [rel_error(a, b) for a, b in zip(got, want)]
+    assert all(e <= 1e-5 for e in errors), errors
+    assert all(np.dtype(x.dtype) == np.float32 for x in got)
+
+
+@needs_kernel
+def test_reverse_mode_runs_the_kernels_backward_and_forward_mode_does_not():
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    f = lambda q: jnp.sum(fa.dot_product_attention(q, q, q, is_causal=True, implementation="cpu_native"))
+    grad = str(jax.make_jaxpr(jax.grad(f))(q))
+    assert "flax_attn_cpu_native_forward" in grad and "flax_attn_cpu_native_backward" in grad
+    assert "flax_attn_cpu_native_tangent" not in grad
+    jvp = str(jax.make_jaxpr(lambda q: jax.jvp(f, (q,), (q,)))(q))
+    assert "flax_attn_cpu_native_tangent" in jvp and "flax_attn_cpu_native_backward" not in jvp
+
+
+@needs_kernel
+def test_the_log_sum_exp_and_its_gradient():
+    """``return_residual=True``: the lse (B, T, N) equals the reference's, -inf where a row sees
+    nothing, and gradients through it (the kernel's backward takes the lse's cotangent) match."""
+    case = Case("residual", (2, 14, 9, 2, 2, 16, 16), dict(is_causal=True), dtype=np.float32)
+    (q, k, v), _ = case_args(case)
+    rng = np.random.default_rng(3)
+    w_out, w_lse = rng.standard_normal((2, 14, 2, 16)), rng.standard_normal((2, 14, 2))
+    visible = np.arange(14) >= 5  # query t sees keys s <= t - 5
+
+    def loss(attend):
+        def f(q, k, v):
+            out, lse = attend(q, k, v)
+            return jnp.sum(out * w_out) + jnp.sum(jnp.where(visible[None, :, None], lse, 0.0) * w_lse)
+        return f
+
+    native_attend = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, return_residual=True,
+                                                             implementation="cpu_native")
+    xla_attend = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, return_residual=True,
+                                                          implementation="xla")
+    _, lse = jax.jit(native_attend)(q, k, v)
+    _, ref_lse = xla_attend(*(x.astype(np.float64) for x in (q, k, v)))
+    assert np.all(np.isneginf(np.asarray(lse)[:, :5])) and np.all(np.isfinite(np.asarray(lse)[:, 5:]))
+    assert rel_error(np.asarray(lse)[:, 5:], np.asarray(ref_lse)[:, 5:]) <= 1e-5
+    got = jax.jit(jax.grad(loss(native_attend), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(xla_attend), argnums=(0, 1, 2))(*(x.astype(np.float64) for x in (q, k, v)))
+    errors = [rel_error(a, b) for a, b in zip(got, want)]
+    assert all(e <= 1e-5 for e in errors), errors
+
+
+def _call(dtype=jnp.float32, B=2, T=64, S=64, N=4, K=2, H=16, Hv=16, platform="cpu", **kw):
+    q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+    k = jax.ShapeDtypeStruct((B, S, K, H), dtype)
+    v = jax.ShapeDtypeStruct((B, S, K, Hv), dtype)
+    return describe(q, k, v, platform=platform, **kw)
+
+
+REFUSED = {
+    "float64": (dict(dtype=jnp.float64), "dtype float64"),
+    "bfloat16": (dict(dtype=jnp.bfloat16), "dtype bfloat16"),
+    "head dim 8": (dict(H=8), "head dims H=8"),
+    "value head dim 24": (dict(Hv=24), "Hv=24"),
+    "window": (dict(local_window_size=(3, 0)), "the mask rule 'window'"),
+    "key lengths": (dict(key_value_seq_lengths=np.array([5, 64])), "the mask rule 'kv_lengths'"),
+    "positions": (dict(query_positions=np.arange(64), key_positions=np.arange(64)), "the mask rule 'q_positions'"),
+    "segments": (dict(query_segment_ids=np.zeros((2, 64), np.int32), key_segment_ids=np.zeros((2, 64), np.int32)),
+                 "the mask rule 'q_segments'"),
+    "boolean mask": (dict(mask=np.ones((64, 64), bool)), "the mask rule 'dense'"),
+    "soft-cap": (dict(logit_softcap=5.0), "softcap"),
+    "dropout": (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
+    "weights": (dict(return_weights=True), "return_weights"),
+    "gpu": (dict(platform="gpu"), "the 'gpu' backend"),
+}
+
+
+@pytest.mark.parametrize("what", list(REFUSED))
+def test_refusals_say_what_is_not_served(what):
+    kw, phrase = REFUSED[what]
+    reason = CpuNative().supports(_call(**kw))
+    assert reason is not None and phrase in reason, reason
+
+
+def test_calls_naming_it_for_what_it_refuses_raise_with_the_reason():
+    q = jnp.ones((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"implementation='cpu_native' does not support the mask rule 'window'"):
+        fa.dot_product_attention(q, q, q, local_window_size=(2, 0), implementation="cpu_native")
+
+
+@needs_kernel
+def test_the_automatic_choice_takes_it_for_the_float32_calls_it_serves_on_cpu():
+    assert registry.choose(_call(T=128, S=128, is_causal=True)).name == "cpu_native"
+    assert registry.choose(_call(T=128, S=128, dtype=jnp.float64, is_causal=True)).name != "cpu_native"
+    assert registry.choose(_call(T=128, S=128, local_window_size=(8, 0))).name != "cpu_native"
+    assert registry.choose(_call(T=128, S=128, platform="gpu", is_causal=True)).name != "cpu_native"
+
+
+def test_block_q_is_checked():
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="CpuNative block_q must be a positive int"):
+            CpuNative(block_q=bad)
+
+
+@needs_kernel
+def test_a_failed_build_reports_the_compilers_error(tmp_path, monkeypatch):
+    broken = tmp_path / "attention.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setenv("FLAX_ATTN_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"compiling attention.cc failed \(.*exit 1\):\n.*error"):
+        native._build()
+    assert not list((tmp_path / "cache").iterdir())  # no half-written library left behind
+
+
+def test_without_a_compiler_the_kernel_refuses_and_the_automatic_choice_falls_back(tmp_path):
+    """A fresh process with no compiler and an empty cache: ``unavailable()`` says why, a call
+    naming the kernel raises with that reason, and the automatic choice computes the same
+    numbers by another path."""
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        import flax_attn as fa
+        from flax_attn.core import native, registry
+        from flax_attn.core.call import describe
+        print("REASON", native.unavailable())
+        q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 16)), jnp.float32)
+        print("AUTO", registry.choose(describe(q, q, q, is_causal=True, platform="cpu")).name)
+        out = fa.dot_product_attention(q, q, q, is_causal=True)
+        ref = fa.dot_product_attention(q, q, q, is_causal=True, implementation="xla")
+        print("ERR", float(jnp.max(jnp.abs(out - ref))))
+        try:
+            fa.dot_product_attention(q, q, q, is_causal=True, implementation="cpu_native")
+        except ValueError as e:
+            print("RAISED", e)
+    """)
+    env = {**os.environ, "CXX": "no-such-compiler-here", "FLAX_ATTN_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    expected = ("no C++ compiler ('no-such-compiler-here' is not on PATH; set $CXX)" if CANNOT_RUN is None
+                else CANNOT_RUN)
+    assert expected in lines["REASON"], done.stdout
+    assert lines["AUTO"] != "cpu_native"
+    assert float(lines["ERR"]) < 1e-5
+    assert "implementation='cpu_native' does not support" in lines["RAISED"] and expected in lines["RAISED"]
