@@ -10,7 +10,6 @@ to build fails them.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import subprocess
