@@ -90,6 +90,42 @@ def test_transformations_match_the_reference(transform):
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape, causal", [((2, 70, 70, 4, 2, 64, 64), True), ((1, 33, 50, 2, 1, 32, 16), False)])
+def test_equals_pytorch_outputs_and_gradients(shape, causal):
+    """The same float32 inputs through the kernel and through PyTorch: ``torch_ref``'s reference
+    attention and ``F.scaled_dot_product_attention`` (heads first, key/value heads repeated),
+    outputs and the gradients of ``sum(out * w)``, within float32's 1e-5 (``torch_ref.compare``)."""
+    import torch
+    import torch.nn.functional as F
+    from torch_ref import modern
+    from torch_ref.compare import max_rel_error
+
+    B, T, S, N, K, H, Hv = shape
+    rng = np.random.default_rng(2)
+    q, k, v, w = (rng.standard_normal(s).astype(np.float32) for s in
+                  ((B, T, N, H), (B, S, K, H), (B, S, K, Hv), (B, T, N, Hv)))
+    loss = lambda q, k, v: jnp.sum(fa.dot_product_attention(q, k, v, is_causal=causal, implementation="cpu_native") * w)
+    out = fa.dot_product_attention(q, k, v, is_causal=causal, implementation="cpu_native")
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    allowed = torch.ones(T, S, dtype=torch.bool).tril(S - T) if causal else None  # aligned at the end
+
+    def sdpa(q, k, v):
+        heads_first = lambda x: x.transpose(1, 2)
+        kk, vv = (x.repeat_interleave(N // K, dim=2) for x in (k, v))
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(kk), heads_first(vv), attn_mask=allowed)
+        return o.transpose(1, 2)
+
+    for name, torch_fn in (("torch_ref", lambda q, k, v: modern.reference_attention(q, k, v, allowed=allowed)[0]),
+                           ("SDPA", sdpa)):
+        tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+        t_out = torch_fn(tq, tk, tv)
+        (t_out * torch.from_numpy(w)).sum().backward()
+        errors = [max_rel_error(np.asarray(a), b.detach().numpy())
+                  for a, b in zip((out,) + grads, (t_out, tq.grad, tk.grad, tv.grad))]
+        assert all(e <= 1e-5 for e in errors), (name, errors)
+
+
+@needs_kernel
 def test_reverse_mode_runs_the_kernels_backward_and_forward_mode_does_not():
     q = jnp.ones((1, 8, 2, 16), jnp.float32)
     f = lambda q: jnp.sum(fa.dot_product_attention(q, q, q, is_causal=True, implementation="cpu_native"))
@@ -174,6 +210,14 @@ def test_the_automatic_choice_takes_it_for_the_float32_calls_it_serves_on_cpu():
     assert registry.choose(_call(T=128, S=128, dtype=jnp.float64, is_causal=True)).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, local_window_size=(8, 0))).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, platform="gpu", is_causal=True)).name != "cpu_native"
+
+
+@needs_kernel
+def test_the_automatic_choice_leaves_it_where_jax_sees_several_devices(monkeypatch):
+    """Inputs may be sharded there, and XLA would gather them onto every device for the kernel."""
+    monkeypatch.setattr(jax, "device_count", lambda *a: 2)
+    assert registry.choose(_call(T=128, S=128, is_causal=True)).name != "cpu_native"
+    assert CpuNative().supports(_call(T=128, S=128, is_causal=True)) is None  # named, it still serves
 
 
 def test_block_q_is_checked():

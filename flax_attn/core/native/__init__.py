@@ -23,7 +23,7 @@ higher derivatives differentiate the query-block path in JAX (slower, linear mem
 primitives below say how. Under ``vmap`` the mapped axis joins the batch axis: one kernel call.
 
 **The automatic choice** takes it on CPU for the float32 calls it serves from ``min_length``
-tokens (queries and keys); ``jax.export`` refuses programs holding it (its FFI target has no
+tokens (queries and keys) where JAX sees one device; ``jax.export`` refuses programs holding it (its FFI target has no
 compatibility guarantee): export with ``implementation='query_blocks'``, or pass
 ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name)]`` for both
 :data:`TARGETS` where the exported program runs in a process that loaded this kernel.
@@ -292,7 +292,10 @@ class CpuNative(Implementation):
         return platform == "cpu"
 
     def preferred(self, call) -> bool:
-        return call.platform == "cpu" and min(call.T, call.S) >= self.min_length
+        """On CPU from ``min_length`` tokens, where JAX sees one device: with more, the inputs
+        may be sharded, and XLA would gather them onto every device for the kernel (its SPMD
+        partitioner has no rule for it; named inside ``shard_map``, it runs per device)."""
+        return call.platform == "cpu" and min(call.T, call.S) >= self.min_length and jax.device_count() == 1
 
     def supports(self, call) -> Optional[str]:
         reason = refuses_dropout_and_weights(call)
