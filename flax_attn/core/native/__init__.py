@@ -54,6 +54,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from flax_attn.core import tuning
 from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
 SOURCE = Path(__file__).with_name("attention.cc")
@@ -71,11 +72,7 @@ def cache_dir() -> Path:
 def _cpu_refusal() -> Optional[str]:
     if _platform.system() != "Linux" or _platform.machine() not in ("x86_64", "AMD64"):
         return f"{_platform.system()} on {_platform.machine()} (the kernel needs Linux on x86-64 with AVX-512)"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError as e:
-        return f"an unreadable /proc/cpuinfo ({e})"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = tuning.cpu_flags()
     missing = [f for f in CPU_FLAGS if f not in flags]
     return f"this CPU (it lacks {', '.join(missing)})" if missing else None
 
