@@ -55,3 +55,21 @@ def slug() -> str:
     base = "-".join(name().lower().replace("(r)", "").replace("(tm)", "").split())
     numbers = family_model()
     return base + (f"-family{numbers[0]}-model{numbers[1]}" if numbers else "")
+
+
+# Variables that change which instructions or threads the contenders use: a run under any of
+# them (e.g. every framework held to AVX2 on an AVX-512 machine) is not the machine's own.
+ENVIRONMENT = ("FLAX_ATTN_CPU_ISA", "XLA_FLAGS", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
+               "OMP_WAIT_POLICY")
+
+
+def environment() -> dict:
+    """The :data:`ENVIRONMENT` variables set in this process, by name (empty where none is)."""
+    import os
+
+    return {k: os.environ[k] for k in ENVIRONMENT if os.environ.get(k)}
+
+
+def environment_text(env: dict) -> str:
+    """``'; NAME=value'`` for each of a result file's ``environment`` entries, for a table's title."""
+    return "".join(f"; {k}={v}" for k, v in env.items())

@@ -438,7 +438,8 @@ def run(repeats: int = 20, batches=BATCHES, prefixes=PREFIXES, sparse=SPARSE, gr
 
 def machine() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {"cpu": cpu.kind(), "cores": os.cpu_count(), "load_1_5_15": [round(v, 2) for v in load]}
+    return {"cpu": cpu.kind(), "cores": os.cpu_count(), "load_1_5_15": [round(v, 2) for v in load],
+            "environment": cpu.environment()}
 
 
 TITLE = f"KV-cache decode step, d_model {D_MODEL}, {HEADS} heads, RoPE, float32"

@@ -86,6 +86,7 @@ def machine() -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "load_average_at_start": _load(),
         "free_page_reporting_bytes": free_page_reporting(),
+        "environment": cpu.environment(),
     }
     info["name"] = (f"gpu-{info['device'].replace(' ', '-').lower()}" if gpu else f"cpu-{cpu.slug()}") + \
         f"-{info['cpu_count']}cores"

@@ -20,6 +20,7 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
+from benchmarks import cpu
 from benchmarks.decode import generation_table, loop_table, timing
 from benchmarks.run import PEER, layer_flops
 
@@ -32,7 +33,7 @@ def machine_line(results: dict) -> str:
     peak_text = ", ".join(f"{name} {t * scale:.0f} {unit}" for name, t in peaks.items())
     return (f"{m['device']}, {m['cpu_count']} cores, {m['memory_gib']} GiB; JAX {m['jax']}, torch {m['torch']}; "
             f"{m['dtype']}; {m['date']}; host memory: {results.get('host_memory', 'default allocator')}; "
-            f"matmul peaks {peak_text}")
+            f"matmul peaks {peak_text}" + cpu.environment_text(m.get("environment", {})))
 
 
 def layer_table(results: dict) -> str:
