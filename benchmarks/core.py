@@ -4,8 +4,10 @@ GPT-2-small's core (batch 8, 12 heads of 64, 1,024 tokens, causal, float32), for
 forward+backward:
 
 * ``flax_attn core``: ``fa.dot_product_attention(..., is_causal=True)`` under ``jax.jit`` (the
-  automatic choice: on a CPU with AVX-512 the compiled kernel, :mod:`flax_attn.core.native`;
-  elsewhere query blocks);
+  automatic choice: on an x86-64 CPU with AVX-512 or AVX2 the compiled kernel,
+  :mod:`flax_attn.core.native`; elsewhere query blocks);
+* ``flax_attn core (cpu_native avx2)``: where the CPU runs the kernel's AVX-512 build, the
+  same call through its AVX2 build (``CpuNative(isa='avx2')``), what an AVX2-only CPU runs;
 * ``flax_attn core (query_blocks)``: the same call with ``implementation='query_blocks'``, the
   pure-JAX path whose products the two rows below time;
 * ``torch SDPA``: ``F.scaled_dot_product_attention(..., is_causal=True)`` (the peer);
@@ -155,8 +157,9 @@ def torch_products(ops: dict, ranges, mode: str):
 
 
 def whole_cores(shape: dict, mode: str, seed: int = 1) -> dict:
-    """``{'flax_attn core': run, 'flax_attn core (query_blocks)': run, 'torch SDPA': run}`` for
-    ``mode``; forward+backward takes the
+    """``{'flax_attn core': run, ..., 'flax_attn core (query_blocks)': run, 'torch SDPA': run}``
+    for ``mode`` (with a row for each other build of the compiled kernel this CPU runs);
+    forward+backward takes the
     gradients of ``sum(out * dout)`` with respect to the queries, keys and values."""
     import jax
     import jax.numpy as jnp
@@ -164,11 +167,16 @@ def whole_cores(shape: dict, mode: str, seed: int = 1) -> dict:
     import torch.nn.functional as F
 
     import flax_attn as fa
+    from flax_attn.core import native
 
     B, N, T, H = shape["batch"], shape["heads"], shape["tokens"], shape["head_dim"]
     rng = np.random.default_rng(seed)
     q, k, v, dout = (rng.standard_normal((B, T, N, H), dtype=np.float32) for _ in range(4))
-    cores = {"flax_attn core": None, "flax_attn core (query_blocks)": "query_blocks"}
+    cores = {"flax_attn core": None}
+    for isa in native.ISAS:
+        if isa != native.best_isa() and native.unavailable(isa) is None:
+            cores[f"flax_attn core (cpu_native {isa})"] = native.CpuNative(isa=isa)
+    cores["flax_attn core (query_blocks)"] = "query_blocks"
     jq, jk, jv, jd = map(jnp.asarray, (q, k, v, dout))
     heads_first = lambda x, grad=False: torch.from_numpy(x).transpose(1, 2).contiguous().requires_grad_(grad)
     tq, tk, tv = (heads_first(x, grad=mode != "forward") for x in (q, k, v))
@@ -232,7 +240,8 @@ def report(rows: list[dict], measured_on: dict = None) -> str:
     lines = [f"Causal attention core, {r0['batch']} x {r0['heads']} heads x {r0['tokens']} tokens of {r0['head_dim']}, "
              f"float32; CPU {m['cpu']} ({m['cores']} cores, load {m['load_1_5_15']}); query blocks of "
              f"{r0['block_q']}, {r0['units_per_step']} units a step, {r0['blocks']} blocks; the core's "
-             f"automatic choice: {r0['core_implementation']}", "",
+             f"automatic choice: {r0['core_implementation']}"
+             + cpu.environment_text(m.get("environment", {})), "",
              "| mode | contender | time | products' GFLOP/s | vs torch SDPA |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['mode']} | {r['contender']} | {r['seconds'] * 1e3:.1f} ms | {r['products_gflops']:.1f} | "
               f"{r['ratio_vs_torch_sdpa']:.2f}x |" for r in rows]

@@ -4,9 +4,10 @@ Outputs and gradients of float32 calls against the float64 reference of the conf
 (relative 1e-5, exact zeros on rows that see nothing and on keys nobody sees); every
 transformation (jit, eager, vmap, checkpoint, forward mode, second derivatives) against the
 same transformation of the reference; the refusals, the automatic choice, and what happens where
-the kernel cannot be built. On a machine whose CPU cannot run the kernel (not Linux on x86-64
-with AVX-512) or without a C++ compiler the kernel's tests skip; with both, a kernel that fails
-to build fails them.
+the kernel cannot be built. The numerical tests run every build of the kernel this CPU runs
+(``avx512`` and ``avx2`` on an AVX-512 machine). On a machine whose CPU runs none (not Linux on
+x86-64 with AVX2 and FMA) or without a C++ compiler the kernel's tests skip; with both, a kernel
+that fails to build fails them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import re
 import textwrap
 
 import jax
@@ -27,8 +29,12 @@ from flax_attn.core.call import describe
 
 from .test_conformance import Case, case_args, check_cases, reference_fn, rel_error
 
-CANNOT_RUN = native._cpu_refusal() or (None if shutil.which(os.environ.get("CXX", "g++")) else "no C++ compiler")
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "g++")) is not None
+CANNOT_RUN = native._cpu_refusal() or (None if HAS_COMPILER else "no C++ compiler")
 needs_kernel = pytest.mark.skipif(CANNOT_RUN is not None, reason=f"the kernel cannot run here: {CANNOT_RUN}")
+# every build this CPU runs; a test parametrized over them skips where there is none
+BUILDS = [isa for isa in native.ISAS if HAS_COMPILER and native._cpu_refusal(isa) is None] or [
+    pytest.param(None, marks=pytest.mark.skip(reason=f"the kernel cannot run here: {CANNOT_RUN}"))]
 
 CASES = [
     # grouped queries, causal with T < S (aligned at the end), Hv != H, lengths no multiple of 16
@@ -42,15 +48,15 @@ CASES = [
 ]
 
 
-@needs_kernel
-def test_the_kernel_builds_and_loads_here():
-    assert native.unavailable() is None
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_kernel_builds_and_loads_here(isa):
+    assert native.unavailable(isa) is None
 
 
-@needs_kernel
+@pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("block_q", [64, 16, 7])
-def test_outputs_and_gradients_match_the_float64_reference(block_q):
-    failures, declines = check_cases(CpuNative(block_q=block_q), CASES)
+def test_outputs_and_gradients_match_the_float64_reference(block_q, isa):
+    failures, declines = check_cases(CpuNative(block_q=block_q, isa=isa), CASES)
     assert not declines and not failures, failures + declines
 
 
@@ -89,9 +95,9 @@ def test_transformations_match_the_reference(transform):
     assert all(np.dtype(x.dtype) == np.float32 for x in got)
 
 
-@needs_kernel
+@pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("shape, causal", [((2, 70, 70, 4, 2, 64, 64), True), ((1, 33, 50, 2, 1, 32, 16), False)])
-def test_equals_pytorch_outputs_and_gradients(shape, causal):
+def test_equals_pytorch_outputs_and_gradients(shape, causal, isa):
     """The same float32 inputs through the kernel and through PyTorch: ``torch_ref``'s reference
     attention and ``F.scaled_dot_product_attention`` (heads first, key/value heads repeated),
     outputs and the gradients of ``sum(out * w)``, within float32's 1e-5 (``torch_ref.compare``)."""
@@ -104,8 +110,9 @@ def test_equals_pytorch_outputs_and_gradients(shape, causal):
     rng = np.random.default_rng(2)
     q, k, v, w = (rng.standard_normal(s).astype(np.float32) for s in
                   ((B, T, N, H), (B, S, K, H), (B, S, K, Hv), (B, T, N, Hv)))
-    loss = lambda q, k, v: jnp.sum(fa.dot_product_attention(q, k, v, is_causal=causal, implementation="cpu_native") * w)
-    out = fa.dot_product_attention(q, k, v, is_causal=causal, implementation="cpu_native")
+    kernel = CpuNative(isa=isa)
+    loss = lambda q, k, v: jnp.sum(fa.dot_product_attention(q, k, v, is_causal=causal, implementation=kernel) * w)
+    out = fa.dot_product_attention(q, k, v, is_causal=causal, implementation=kernel)
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     allowed = torch.ones(T, S, dtype=torch.bool).tril(S - T) if causal else None  # aligned at the end
 
@@ -136,8 +143,8 @@ def test_reverse_mode_runs_the_kernels_backward_and_forward_mode_does_not():
     assert "flax_attn_cpu_native_tangent" in jvp and "flax_attn_cpu_native_backward" not in jvp
 
 
-@needs_kernel
-def test_the_log_sum_exp_and_its_gradient():
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_log_sum_exp_and_its_gradient(isa):
     """``return_residual=True``: the lse (B, T, N) equals the reference's, -inf where a row sees
     nothing, and gradients through it (the kernel's backward takes the lse's cotangent) match."""
     case = Case("residual", (2, 14, 9, 2, 2, 16, 16), dict(is_causal=True), dtype=np.float32)
@@ -153,7 +160,7 @@ def test_the_log_sum_exp_and_its_gradient():
         return f
 
     native_attend = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, return_residual=True,
-                                                             implementation="cpu_native")
+                                                             implementation=CpuNative(isa=isa))
     xla_attend = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, return_residual=True,
                                                           implementation="xla")
     _, lse = jax.jit(native_attend)(q, k, v)
@@ -198,10 +205,13 @@ def test_refusals_say_what_is_not_served(what):
     assert reason is not None and phrase in reason, reason
 
 
-def test_calls_naming_it_for_what_it_refuses_raise_with_the_reason():
+def test_calls_naming_it_for_what_it_refuses_raise_with_the_reason(monkeypatch):
     q = jnp.ones((1, 8, 2, 16), jnp.float32)
     with pytest.raises(ValueError, match=r"implementation='cpu_native' does not support the mask rule 'window'"):
         fa.dot_product_attention(q, q, q, local_window_size=(2, 0), implementation="cpu_native")
+    _cpu_with(monkeypatch, AVX2_ONLY)
+    with pytest.raises(ValueError, match=r"does not support this CPU for the avx512 build \(it lacks avx512f"):
+        fa.dot_product_attention(q, q, q, implementation=CpuNative(isa="avx512"))
 
 
 @needs_kernel
@@ -220,10 +230,61 @@ def test_the_automatic_choice_leaves_it_where_jax_sees_several_devices(monkeypat
     assert CpuNative().supports(_call(T=128, S=128, is_causal=True)) is None  # named, it still serves
 
 
-def test_block_q_is_checked():
+def test_block_q_and_isa_are_checked():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="CpuNative block_q must be a positive int"):
             CpuNative(block_q=bad)
+    with pytest.raises(ValueError, match=r"isa must be None or one of \['avx2', 'avx512'\], got 'sse4'"):
+        CpuNative(isa="sse4")
+
+
+def _cpu_with(monkeypatch, flags):
+    monkeypatch.setattr(native, "_on_x86_linux", lambda: True)
+    monkeypatch.setattr(native.tuning, "cpu_flags", lambda: frozenset(flags))
+
+
+AVX2_ONLY = ("sse4_2", "avx", "avx2", "fma", "bmi2")  # e.g. AMD's Zen 2 and 3
+
+
+def test_the_build_follows_the_cpu(monkeypatch):
+    """AVX-512 CPUs get the avx512 build, AVX2-only ones the avx2 build and the reason the
+    other cannot run; a CPU with neither is refused with what the kernel needs."""
+    monkeypatch.delenv("FLAX_ATTN_CPU_ISA", raising=False)
+    _cpu_with(monkeypatch, AVX2_ONLY + native.ISAS["avx512"][1])
+    assert native.best_isa() == "avx512"
+    _cpu_with(monkeypatch, AVX2_ONLY)
+    assert native.best_isa() == "avx2" and native._cpu_refusal() is None
+    assert native._cpu_refusal("avx512") == ("this CPU for the avx512 build "
+                                             "(it lacks avx512f, avx512bw, avx512cd, avx512dq, avx512vl)")
+    _cpu_with(monkeypatch, ("sse4_2", "avx"))
+    assert native.best_isa() is None
+    assert native.unavailable() == "this CPU (the kernel needs AVX-512, or AVX2 with FMA)"
+    reason = CpuNative().supports(_call(is_causal=True))
+    assert reason == "this CPU (the kernel needs AVX-512, or AVX2 with FMA)"
+
+
+def test_the_environment_names_the_default_build(monkeypatch):
+    _cpu_with(monkeypatch, AVX2_ONLY + native.ISAS["avx512"][1])
+    monkeypatch.setenv("FLAX_ATTN_CPU_ISA", "avx2")
+    assert native.best_isa() == "avx2"
+    _cpu_with(monkeypatch, AVX2_ONLY)
+    monkeypatch.setenv("FLAX_ATTN_CPU_ISA", "avx512")
+    assert native.best_isa() is None
+    assert native.unavailable().startswith("this CPU for the avx512 build (it lacks avx512f")
+    monkeypatch.setenv("FLAX_ATTN_CPU_ISA", "avx1024")
+    with pytest.raises(ValueError, match=r"\$FLAX_ATTN_CPU_ISA must be None or one of .*got 'avx1024'"):
+        native.best_isa()
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the library's instructions")
+@pytest.mark.parametrize("isa", BUILDS)
+def test_only_the_avx512_build_holds_avx512_instructions(isa):
+    """What an AVX2-only CPU will run: no zmm register, no mask register, no ymm16-31 (each of
+    them needs AVX-512's EVEX encoding). The AVX-512 build, read the same way, holds them."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(native._build(isa))],
+                             capture_output=True, text=True, check=True).stdout
+    evex = re.findall(r"%zmm\d+|%k[1-7]\b|%ymm(?:1[6-9]|2\d|3[01])\b", listing)
+    assert (len(evex) == 0) == (isa == "avx2"), (isa, evex[:5])
 
 
 @needs_kernel
@@ -232,8 +293,8 @@ def test_a_failed_build_reports_the_compilers_error(tmp_path, monkeypatch):
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native, "SOURCE", broken)
     monkeypatch.setenv("FLAX_ATTN_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(RuntimeError, match=r"compiling attention.cc failed \(.*exit 1\):\n.*error"):
-        native._build()
+    with pytest.raises(RuntimeError, match=r"compiling attention.cc for avx2 failed \(.*exit 1\):\n.*error"):
+        native._build("avx2")
     assert not list((tmp_path / "cache").iterdir())  # no half-written library left behind
 
 

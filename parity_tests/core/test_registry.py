@@ -37,9 +37,9 @@ def test_registry_order_and_names():
 
 @pytest.fixture
 def without_the_compiled_kernel(monkeypatch):
-    """The automatic choice on a CPU where the compiled kernel cannot run (no AVX-512, no compiler)."""
+    """The automatic choice on a CPU where the compiled kernel cannot run (no AVX2, no compiler)."""
     from flax_attn.core import native
-    monkeypatch.setattr(native, "unavailable", lambda: "this CPU (it lacks avx512f)")
+    monkeypatch.setattr(native, "unavailable", lambda isa=None: "this CPU (the kernel needs AVX-512, or AVX2 with FMA)")
 
 
 def test_automatic_choice_on_cpu_takes_the_compiled_kernel_where_it_serves():

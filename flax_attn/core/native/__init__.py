@@ -1,14 +1,18 @@
-"""A fused attention kernel for x86-64 CPUs with AVX-512, written in C++ and called through
-XLA's FFI (``jax.ffi``): implementation ``'cpu_native'``.
+"""A fused attention kernel for x86-64 CPUs (AVX-512, or AVX2 with FMA), written in C++ and
+called through XLA's FFI (``jax.ffi``): implementation ``'cpu_native'``.
 
     out = softmax(scale * Q K^T [causal]) V     forward and backward each one kernel call
 
 The source (``attention.cc`` beside this file) is compiled with the system's C++ compiler at
 first use (``$CXX``, else ``g++``; about 5 s) into a cache directory (``$FLAX_ATTN_CACHE``,
-else ``~/.cache/flax_attn``), keyed by the source, the compiler and jaxlib's version, and
-loaded from there afterwards. Nothing is downloaded; where there is no compiler, the CPU is
-not x86-64 with AVX-512 or the build fails, the implementation refuses every call and says why
-(:func:`unavailable`).
+else ``~/.cache/flax_attn``), keyed by the source, the instruction set, the compiler and
+jaxlib's version, and loaded from there afterwards. One source serves two instruction sets
+(:data:`ISAS`): ``'avx512'`` (16 floats a vector, built with ``-march=x86-64-v4``) and
+``'avx2'`` (8 floats, ``-mavx2 -mfma``); the kernel takes the first the CPU runs
+(:func:`best_isa`; ``$FLAX_ATTN_CPU_ISA`` names the default), and ``CpuNative(isa=...)``
+names one per call. Nothing is downloaded; where there is
+no compiler, the CPU is not x86-64 with AVX2 and FMA or the build fails, the implementation
+refuses every call and says why (:func:`unavailable`).
 
 **What it serves.** float32 queries, keys and values, grouped-query heads, causal masking with
 the default positions (query ``t`` sees keys ``s <= t + S - T``) or no mask, head dims that are
@@ -25,13 +29,17 @@ primitives below say how. Under ``vmap`` the mapped axis joins the batch axis: o
 **The automatic choice** takes it on CPU for the float32 calls it serves from ``min_length``
 tokens (queries and keys) where JAX sees one device; ``jax.export`` refuses programs holding it (its FFI target has no
 compatibility guarantee): export with ``implementation='query_blocks'``, or pass
-``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name)]`` for both
-:data:`TARGETS` where the exported program runs in a process that loaded this kernel.
+``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name)]`` for the two
+:data:`TARGETS` of the build it holds, where the exported program runs in a process that loaded
+that build.
 
 **Speed.** GPT-2-small's core (8 x 12 heads x 1,024 tokens, causal, float32) on a 2-core Intel
 Xeon of family 6, model 207, in turns with PyTorch's ``scaled_dot_product_attention``: forward
-0.74-0.82x PyTorch's time, forward+backward 0.68-0.89x over three runs (the query-block path
-1.45-1.79x and 1.37-1.44x); ``python -m benchmarks.core`` and the README's tables.
+0.74-0.82x PyTorch's time, forward+backward 0.64-0.89x over four runs (the query-block path
+1.45-1.79x and 1.15-1.44x); the AVX2 build there about 1.8x the AVX-512 build's time, and, with
+PyTorch held to AVX2 too (``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``),
+0.80-0.89x / 0.66-0.71x PyTorch's time over three runs; ``python -m benchmarks.core`` and the
+README's tables.
 """
 from __future__ import annotations
 
@@ -58,10 +66,16 @@ from flax_attn.core import tuning
 from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
 SOURCE = Path(__file__).with_name("attention.cc")
-FLAGS = ("-std=c++17", "-O3", "-march=x86-64-v4", "-fopenmp", "-fPIC", "-shared")
-# x86-64-v4's AVX-512 subsets, as /proc/cpuinfo names them
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-TARGETS = {"forward": "flax_attn_cpu_forward", "backward": "flax_attn_cpu_backward"}
+FLAGS = ("-std=c++17", "-O3", "-fopenmp", "-fPIC", "-shared")
+# instruction set: (its compiler flags, the /proc/cpuinfo flags a CPU needs to run that build),
+# the preferred first
+ISAS = {
+    "avx512": (("-march=x86-64-v4",), ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma")),
+    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+}
+# the FFI targets of each build, e.g. TARGETS["avx512"]["forward"]
+TARGETS = {isa: {"forward": f"flax_attn_cpu_{isa}_forward", "backward": f"flax_attn_cpu_{isa}_backward"}
+           for isa in ISAS}
 
 
 def cache_dir() -> Path:
@@ -69,25 +83,59 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLAX_ATTN_CACHE") or Path.home() / ".cache" / "flax_attn")
 
 
-def _cpu_refusal() -> Optional[str]:
-    if _platform.system() != "Linux" or _platform.machine() not in ("x86_64", "AMD64"):
-        return f"{_platform.system()} on {_platform.machine()} (the kernel needs Linux on x86-64 with AVX-512)"
+def _on_x86_linux() -> bool:
+    return _platform.system() == "Linux" and _platform.machine() in ("x86_64", "AMD64")
+
+
+def _forced() -> Optional[str]:
+    isa = os.environ.get("FLAX_ATTN_CPU_ISA") or None
+    _check_isa(isa, "$FLAX_ATTN_CPU_ISA")
+    return isa
+
+
+def best_isa() -> Optional[str]:
+    """The build the kernel runs by default: ``$FLAX_ATTN_CPU_ISA`` where set (``avx2`` gives an
+    AVX-512 machine the AVX2 build, e.g. to compare them), else the first of :data:`ISAS` this
+    CPU runs (``'avx512'``, else ``'avx2'``); None where the CPU runs none (or not the one
+    named)."""
+    forced = _forced()
+    if not _on_x86_linux():
+        return None
+    if forced:
+        return None if _cpu_refusal(forced) else forced
     flags = tuning.cpu_flags()
-    missing = [f for f in CPU_FLAGS if f not in flags]
-    return f"this CPU (it lacks {', '.join(missing)})" if missing else None
+    return next((isa for isa, (_, needs) in ISAS.items() if all(f in flags for f in needs)), None)
 
 
-def _build() -> Path:
-    """The compiled library's path, compiling it first if the cache lacks it. Raises
+def _cpu_refusal(isa: Optional[str] = None) -> Optional[str]:
+    """Why this CPU cannot run the build for ``isa`` (None: the default build), or None."""
+    if not _on_x86_linux():
+        return f"{_platform.system()} on {_platform.machine()} (the kernel needs Linux on x86-64)"
+    isa = isa or _forced()
+    if isa is None:
+        return None if best_isa() else "this CPU (the kernel needs AVX-512, or AVX2 with FMA)"
+    flags = tuning.cpu_flags()
+    missing = [f for f in ISAS[isa][1] if f not in flags]
+    return f"this CPU for the {isa} build (it lacks {', '.join(missing)})" if missing else None
+
+
+def _check_isa(isa, name: str = "isa") -> None:
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"{name} must be None or one of {sorted(ISAS)}, got {isa!r}")
+
+
+def _build(isa: str) -> Path:
+    """The compiled library's path for ``isa``, compiling it first if the cache lacks it. Raises
     ``RuntimeError`` with the compiler's output if that fails."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} is not on PATH; set $CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     include = jax.ffi.include_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version, jax.__version__, jax.lib.__version__,
+    flags = FLAGS + ISAS[isa][0]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((flags, version, jax.__version__, jax.lib.__version__,
                                                       include)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_attention-{key}.so"
+    target = cache_dir() / f"cpu_attention-{isa}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,10 +143,10 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-isystem", include, str(SOURCE), "-o", tmp],
+        done = subprocess.run([compiler, *flags, "-isystem", include, str(SOURCE), "-o", tmp],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed ({compiler}, exit {done.returncode}):\n"
+            raise RuntimeError(f"compiling {SOURCE.name} for {isa} failed ({compiler}, exit {done.returncode}):\n"
                                f"{done.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
@@ -108,31 +156,33 @@ def _build() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> tuple:
-    """``(library, None)`` once the kernel is built, loaded and registered with XLA, else
-    ``(None, reason)``."""
-    reason = _cpu_refusal()
+def _load(isa: str) -> tuple:
+    """``(library, None)`` once the build for ``isa`` is compiled, loaded and registered with
+    XLA, else ``(None, reason)``."""
+    reason = _cpu_refusal(isa)
     if reason:
         return None, reason
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(_build(isa)))
     except (RuntimeError, OSError) as e:
         return None, f"a kernel that could not be built or loaded: {e}"
-    jax.ffi.register_ffi_target(TARGETS["forward"], jax.ffi.pycapsule(lib.FlaxAttnCpuForward), platform="cpu")
-    jax.ffi.register_ffi_target(TARGETS["backward"], jax.ffi.pycapsule(lib.FlaxAttnCpuBackward), platform="cpu")
+    for entry, symbol in (("forward", lib.FlaxAttnCpuForward), ("backward", lib.FlaxAttnCpuBackward)):
+        jax.ffi.register_ffi_target(TARGETS[isa][entry], jax.ffi.pycapsule(symbol), platform="cpu")
     return lib, None
 
 
-def unavailable() -> Optional[str]:
-    """Why the kernel cannot run here (a phrase completing "does not support ..."), or None once
-    it is compiled and loaded."""
-    return _load()[1]
+def unavailable(isa: Optional[str] = None) -> Optional[str]:
+    """Why the kernel's build for ``isa`` (None: :func:`best_isa`) cannot run here (a phrase
+    completing "does not support ..."), or None once it is compiled and loaded."""
+    _check_isa(isa)
+    isa = isa or best_isa()
+    return _cpu_refusal() if isa is None else (_cpu_refusal(isa) or _load(isa)[1])
 
 
 # ---------------------------------------------------------------------------- the primitives
 #
 # Three primitives carry the kernel through JAX's transformations; ``p`` is their parameters
-# (causal, scale, block_q), ``res`` the residuals ``q, k, v, out, lse``:
+# (causal, scale, block_q and the build's isa), ``res`` the residuals ``q, k, v, out, lse``:
 #
 #   forward_p(q, k, v)                  -> out, lse          the kernel's forward entry point
 #   tangent_p(*res, dq, dk, dv)         -> dout, dlse        linear in dq, dk, dv (pure JAX)
@@ -154,12 +204,12 @@ def _attrs(p: dict) -> dict:
 def _kernel_forward(q, k, v, **p):
     B, T, N, _ = q.shape
     shapes = (jax.ShapeDtypeStruct((B, T, N, v.shape[3]), jnp.float32), jax.ShapeDtypeStruct((B, N, T), jnp.float32))
-    return jax.ffi.ffi_call(TARGETS["forward"], shapes)(q, k, v, **_attrs(p))
+    return jax.ffi.ffi_call(TARGETS[p["isa"]]["forward"], shapes)(q, k, v, **_attrs(p))
 
 
 def _kernel_backward(q, k, v, out, lse, ct_out, ct_lse, **p):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    return jax.ffi.ffi_call(TARGETS["backward"], shapes)(q, k, v, out, lse, ct_out, ct_lse, **_attrs(p))
+    return jax.ffi.ffi_call(TARGETS[p["isa"]]["backward"], shapes)(q, k, v, out, lse, ct_out, ct_lse, **_attrs(p))
 
 
 def _reference(q, k, v, **p):
@@ -259,10 +309,15 @@ for _prim in (forward_p, tangent_p, backward_p):
     batching.primitive_batchers[_prim] = _batched(_prim)
 
 
-def attend(q, k, v, *, causal: bool, scale: float, block_q: int):
+def attend(q, k, v, *, causal: bool, scale: float, block_q: int, isa: Optional[str] = None):
     """``(out (B, T, N, Hv), lse (B, N, T))`` of float32 ``q`` ``(B, T, N, H)``, ``k`` ``(B, S, K,
-    H)``, ``v`` ``(B, S, K, Hv)`` through the kernel (which must be loaded: :func:`unavailable`)."""
-    return tuple(forward_p.bind(q, k, v, causal=bool(causal), scale=float(scale), block_q=int(block_q)))
+    H)``, ``v`` ``(B, S, K, Hv)`` through the kernel's build for ``isa`` (None: :func:`best_isa`),
+    which must be loaded (:func:`unavailable`)."""
+    _check_isa(isa)
+    isa = isa or best_isa()
+    if unavailable(isa):
+        raise RuntimeError(f"the compiled CPU kernel cannot run: it does not support {unavailable(isa)}")
+    return tuple(forward_p.bind(q, k, v, causal=bool(causal), scale=float(scale), block_q=int(block_q), isa=isa))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +325,8 @@ class CpuNative(Implementation):
     """The compiled CPU kernel (see the module docstring for what it serves and how it is built).
 
     Fields:
+      isa: the build to run, ``'avx512'`` or ``'avx2'`` (:data:`ISAS`); None (the default) takes
+        the first this CPU runs (:func:`best_isa`).
       block_q: queries per block: each block's logits against all its keys, ``block_q * S``
         floats, are one thread's working set. 64 was the fastest of 64, 128 and 256 at
         GPT-2-small's core on a 2-core Intel Xeon of family 6, model 207 (forward 0.72x, 0.89x
@@ -280,8 +337,10 @@ class CpuNative(Implementation):
     name: str = "cpu_native"
     block_q: int = 64
     min_length: int = 1
+    isa: Optional[str] = None
 
     def __post_init__(self):
+        _check_isa(self.isa)
         for field in ("block_q", "min_length"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -318,8 +377,9 @@ class CpuNative(Implementation):
             value = getattr(m, field.name)
             if not (value is None or value is False or (isinstance(value, tuple) and not value)):
                 return f"the mask rule '{field.name}' (the kernel serves causal masking by default positions only)"
-        return unavailable()
+        return unavailable(self.isa)
 
     def __call__(self, call, query, key, value, dropout_rng) -> Result:
-        out, lse = attend(query, key, value, causal=call.mask.causal, scale=call.scale, block_q=self.block_q)
+        out, lse = attend(query, key, value, causal=call.mask.causal, scale=call.scale, block_q=self.block_q,
+                          isa=self.isa)
         return Result(out=out, lse=jnp.transpose(lse, (0, 2, 1)) if call.return_residual else None)

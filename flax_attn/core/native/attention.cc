@@ -1,4 +1,6 @@
-// A fused attention kernel for x86-64 CPUs with AVX-512, called from JAX through XLA's FFI.
+// A fused attention kernel for x86-64 CPUs, called from JAX through XLA's FFI. One source, built
+// twice: with AVX-512 (-march=x86-64-v4: 16 floats a vector) and with AVX2 and FMA (8 floats);
+// only the vector layer below differs.
 //
 //   out = softmax(scale * Q K^T [causal]) V          queries (B, T, N, H), keys (B, S, K, H),
 //   lse = log sum exp(scale * Q K^T [causal])        values (B, S, K, Hv), out (B, T, N, Hv),
@@ -12,16 +14,17 @@
 //
 // Work is split into (batch row, key/value head) units over OpenMP threads (a unit's query heads and
 // blocks dealt to several tasks where there are too few units for the threads). A task packs its keys
-// (and, backward, its values) transposed into panels of 64 keys once, then visits its G query
-// heads' query blocks: the block's logits against all the keys it may see (one product), the
-// softmax over each row at once (no online rescaling), then the values' product. The backward
+// (and, backward, its values) transposed into panels of 64 keys once, copies the rows its products
+// read as their B operand (values; backward, keys and each block's queries and output gradients)
+// into consecutive memory, then visits its G query heads' query blocks: the block's logits
+// against all the keys it may see (one product), the softmax over each row at once (no online rescaling), then the values' product. The backward
 // pass recomputes the weights from the saved lse and accumulates dK and dV in the task (in rows
 // of its own where a unit has several tasks, summed at the end), so no two threads write the
 // same rows.
 //
-// The products are one register-blocked micro-kernel: C[R x 16*NZ] += A(r, kk) * B[kk, :] with
+// The products are one register-blocked micro-kernel: C[R x W*NV] += A(r, kk) * B[kk, :] with
 // A read through two strides (so A and its transpose are both served without copies) and B's
-// rows 16*NZ contiguous floats; the kk axis runs in chunks of KC so a chunk of B stays in L1.
+// rows W*NV contiguous floats; the kk axis runs in chunks of KC so a chunk of B stays in L1.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -40,95 +43,169 @@ namespace {
 constexpr int64_t KC = 128;  // kk chunk of a product
 constexpr int64_t PANEL = 64;  // columns of a packed key panel
 
-// e^x on 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to degree 7
-// (relative error below 2e-7), 2^n by vscalefps. Inputs below -104 give 0 (denormal floor);
-// NaN stays NaN (vmaxps returns its second operand where either is NaN).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high part
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // ln2, low part
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// The lanes of a 16-wide step starting at column j that lie below lim.
-inline __mmask16 below(int64_t j, int64_t lim) {
-  if (j + 16 <= lim) return 0xffff;
+// ------------------------------------------------------------------ the vector layer
+// Everything below it is written once against these: W floats a vector, a lane mask, and e^x.
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+constexpr int W = 16;
+constexpr int NVMAX = 4;  // vectors across a micro-kernel tile: 6 x 64 accumulators of the 32 registers
+using vf = __m512;
+using vmask = __mmask16;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline float hsum(vf x) { return _mm512_reduce_add_ps(x); }
+inline float hmax(vf x) { return _mm512_reduce_max_ps(x); }
+// The lanes of a step starting at column j that lie below lim.
+inline vmask below(int64_t j, int64_t lim) {
+  if (j + W <= lim) return 0xffff;
   if (j >= lim) return 0;
-  return __mmask16((1u << (lim - j)) - 1);
+  return vmask((1u << (lim - j)) - 1);
+}
+inline vf max_where(vf m, vmask k, vf x) { return _mm512_mask_max_ps(m, k, m, x); }
+inline vf keep(vmask k, vf x) { return _mm512_maskz_mov_ps(k, x); }
+
+// e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to degree 7 (relative
+// error below 2e-7), 2^n by vscalefps. Inputs below -104 give 0 (denormal floor); NaN stays NaN
+// (vmaxps returns its second operand where either is NaN).
+inline vf clamp_low(vf x) { return _mm512_max_ps(vset(-104.f), x); }
+inline vf round_int(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf times_pow2(vf p, vf n, vf) { return _mm512_scalef_ps(p, n); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int W = 8;
+constexpr int NVMAX = 2;  // 6 x 16 accumulators of the 16 registers
+using vf = __m256;
+using vmask = __m256;  // lanes of all ones or all zeros
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline float hsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax(vf x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline vmask below(int64_t j, int64_t lim) {
+  const int left = int(std::clamp<int64_t>(lim - j, 0, W));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+inline vf max_where(vf m, vmask k, vf x) { return _mm256_blendv_ps(m, _mm256_max_ps(m, x), k); }
+inline vf keep(vmask k, vf x) { return _mm256_and_ps(k, x); }
+
+// e^x as above, 2^n built in the exponent field, so the floor is the smallest normal float:
+// inputs below ln 2^-126 give 0 (masked after the fact; NaN compares unordered and is kept).
+constexpr float LOWEST = -87.33f;  // above ln 2^-126 = -87.3365: n >= -126
+inline vf clamp_low(vf x) { return _mm256_max_ps(vset(LOWEST), x); }
+inline vf round_int(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf times_pow2(vf p, vf n, vf x) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_cmp_ps(x, vset(LOWEST), _CMP_NLT_UQ), _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#else
+#error "the kernel needs AVX-512 (F, DQ) or AVX2 with FMA"
+#endif
+
+inline vf vexp(vf x) {
+  const vf xc = clamp_low(x);
+  const vf n = round_int(vmul(xc, vset(1.44269504088896341f)));
+  vf r = vfnma(n, vset(0.693145751953125f), xc);  // ln2, high part
+  r = vfnma(n, vset(1.428606765330187045e-06f), r);  // ln2, low part
+  vf p = vset(1.f / 5040);
+  p = vfma(p, r, vset(1.f / 720));
+  p = vfma(p, r, vset(1.f / 120));
+  p = vfma(p, r, vset(1.f / 24));
+  p = vfma(p, r, vset(1.f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  p = vfma(p, r, vset(1.f));
+  return times_pow2(p, n, x);
 }
 
-// C[R x 16 NZ] (= or +=) alpha * sum_kk A(r, kk) B[kk, :], A(r, kk) = a[r ai + kk ak], B's row kk at b + kk bs.
-template <int R, int NZ>
+// C[R x W NV] (= or +=) alpha * sum_kk A(r, kk) B[kk, :], A(r, kk) = a[r ai + kk ak], B's row kk at b + kk bs.
+template <int R, int NV>
 inline void micro(int64_t kd, const float* a, int64_t ai, int64_t ak, const float* b, int64_t bs, float alpha,
                   bool acc, float* c, int64_t cs) {
-  __m512 s[R][NZ];
+  vf s[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int z = 0; z < NZ; ++z) s[r][z] = _mm512_setzero_ps();
+    for (int z = 0; z < NV; ++z) s[r][z] = vzero();
   for (int64_t kk = 0; kk < kd; ++kk) {
-    __m512 bv[NZ];
-    for (int z = 0; z < NZ; ++z) bv[z] = _mm512_loadu_ps(b + kk * bs + 16 * z);
+    vf bv[NV];
+    for (int z = 0; z < NV; ++z) bv[z] = vload(b + kk * bs + W * z);
     for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(a[r * ai + kk * ak]);
-      for (int z = 0; z < NZ; ++z) s[r][z] = _mm512_fmadd_ps(av, bv[z], s[r][z]);
+      const vf av = vset(a[r * ai + kk * ak]);
+      for (int z = 0; z < NV; ++z) s[r][z] = vfma(av, bv[z], s[r][z]);
     }
   }
-  const __m512 al = _mm512_set1_ps(alpha);
+  const vf al = vset(alpha);
   for (int r = 0; r < R; ++r)
-    for (int z = 0; z < NZ; ++z) {
-      __m512 v = _mm512_mul_ps(s[r][z], al);
-      if (acc) v = _mm512_add_ps(v, _mm512_loadu_ps(c + r * cs + 16 * z));
-      _mm512_storeu_ps(c + r * cs + 16 * z, v);
+    for (int z = 0; z < NV; ++z) {
+      vf v = vmul(s[r][z], al);
+      if (acc) v = vadd(v, vload(c + r * cs + W * z));
+      vstore(c + r * cs + W * z, v);
     }
 }
 
-// Every row of C in tiles of RM rows (fewer for the last): RM * NZ accumulators fit the 32 registers.
-template <int NZ>
+// Every row of C in tiles of RM rows (fewer for the last): RM * NV accumulators, NV rows of B
+// and A's broadcast fit the registers (32 with AVX-512, 16 with AVX2).
+template <int NV>
 void rows(int64_t m, int64_t kd, const float* a, int64_t ai, int64_t ak, const float* b, int64_t bs, float alpha,
           bool acc, float* c, int64_t cs) {
-  constexpr int RM = NZ == 4 ? 6 : 8;
+  constexpr int RM = NV == NVMAX ? 6 : 8;
   int64_t i = 0;
-  for (; i + RM <= m; i += RM) micro<RM, NZ>(kd, a + i * ai, ai, ak, b, bs, alpha, acc, c + i * cs, cs);
+  for (; i + RM <= m; i += RM) micro<RM, NV>(kd, a + i * ai, ai, ak, b, bs, alpha, acc, c + i * cs, cs);
   const float* ar = a + i * ai;
   float* cr = c + i * cs;
   switch (m - i) {
-    case 7: micro<7, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
-    case 6: micro<6, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
-    case 5: micro<5, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
-    case 4: micro<4, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
-    case 3: micro<3, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
-    case 2: micro<2, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
-    case 1: micro<1, NZ>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 7: micro<7, NV>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 6: micro<6, NV>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 5: micro<5, NV>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 4: micro<4, NV>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 3: micro<3, NV>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 2: micro<2, NV>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
+    case 1: micro<1, NV>(kd, ar, ai, ak, b, bs, alpha, acc, cr, cs); break;
     default: break;
   }
 }
 
+// rows<nv> for a run-time nv in 1..NV.
+template <int NV = NVMAX>
+void rows_of(int nv, int64_t m, int64_t kd, const float* a, int64_t ai, int64_t ak, const float* b, int64_t bs,
+             float alpha, bool acc, float* c, int64_t cs) {
+  if constexpr (NV > 0) {
+    if (nv == NV) return rows<NV>(m, kd, a, ai, ak, b, bs, alpha, acc, c, cs);
+    rows_of<NV - 1>(nv, m, kd, a, ai, ak, b, bs, alpha, acc, c, cs);
+  }
+}
+
 // C[m x n] (= or +=) alpha * A B with n % 16 == 0; A(i, kk) = a[i ai + kk ak]; B in panels of 64
-// columns, panel p's row kk at b + p ps + kk bs.
+// columns, panel p's row kk at b + p ps + kk bs. A panel is covered in tiles of W NVMAX columns.
 void gemm(int64_t m, int64_t n, int64_t kd, const float* a, int64_t ai, int64_t ak, const float* b, int64_t bs,
           int64_t ps, float alpha, bool acc, float* c, int64_t cs) {
+  constexpr int64_t STEP = W * NVMAX;
   for (int64_t k0 = 0; k0 < kd; k0 += KC) {
     const int64_t kn = std::min(KC, kd - k0);
     const bool ac = acc || k0 > 0;
     const float* a0 = a + k0 * ak;
     for (int64_t j = 0, p = 0; j < n; j += PANEL, ++p) {
       const float* bp = b + p * ps + k0 * bs;
-      switch (std::min(PANEL, n - j) / 16) {
-        case 4: rows<4>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
-        case 3: rows<3>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
-        case 2: rows<2>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
-        case 1: rows<1>(m, kn, a0, ai, ak, bp, bs, alpha, ac, c + j, cs); break;
-        default: break;
-      }
+      const int64_t w = std::min(PANEL, n - j);
+      for (int64_t c0 = 0; c0 < w; c0 += STEP)
+        rows_of(int(std::min(STEP, w - c0) / W), m, kn, a0, ai, ak, bp + c0, bs, alpha, ac, c + j + c0, cs);
     }
   }
 }
@@ -155,6 +232,13 @@ void pack_t(const float* x, int64_t xs, int64_t n, int64_t D, float* bt) {
 
 inline int64_t packed_floats(int64_t n, int64_t D) { return (up16(n) + PANEL) * D; }
 
+// x[j, d] (n rows at stride xs, D columns) copied to y's rows of D floats: a product reading
+// rows of keys, values or queries as its B operand then walks consecutive memory (rows of a
+// head N H or K H floats apart would use a few sets of the L1 cache only).
+void pack_rows(const float* x, int64_t xs, int64_t n, int64_t D, float* y) {
+  for (int64_t j = 0; j < n; ++j) std::memcpy(y + j * D, x + j * xs, D * sizeof(float));
+}
+
 struct Shape {
   int64_t B, T, S, N, K, H, Hv;
   bool causal;
@@ -178,12 +262,12 @@ void forward(const Shape& z, const float* q, const float* k, const float* v, flo
   const int64_t nqb = z.blocks(), parts = z.parts(), tasks = z.B * z.K * parts, G = z.G();
 #pragma omp parallel
   {
-    std::vector<float> logits(z.bq * up16(z.S)), kt(packed_floats(z.S, z.H));
+    std::vector<float> logits(z.bq * up16(z.S)), kt(packed_floats(z.S, z.H)), vr(z.S * z.Hv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
-      const float* vp = v + b * z.S * vs + kh * z.Hv;
       pack_t(k + b * z.S * ks + kh * z.H, ks, z.S, z.H, kt.data());
+      pack_rows(v + b * z.S * vs + kh * z.Hv, vs, z.S, z.Hv, vr.data());
       for (int64_t piece = part; piece < G * nqb; piece += parts) {
         const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;  // longest blocks first
         {
@@ -204,29 +288,27 @@ void forward(const Shape& z, const float* q, const float* k, const float* v, flo
           for (int64_t r = 0; r < qn; ++r) {
             float* row = s + r * kp;
             const int64_t lim = std::max<int64_t>(z.limit(q0 + r), 0);
-            __m512 mv = _mm512_set1_ps(-INFINITY);
-            for (int64_t j = 0; j < kp; j += 16)
-              mv = _mm512_mask_max_ps(mv, below(j, lim), mv, _mm512_loadu_ps(row + j));
-            const float m = _mm512_reduce_max_ps(mv);
+            vf mv = vset(-INFINITY);
+            for (int64_t j = 0; j < kp; j += W) mv = max_where(mv, below(j, lim), vload(row + j));
+            const float m = hmax(mv);
             if (lim == 0 || m == -INFINITY) {
               std::memset(row, 0, kp * sizeof(float));
               lp[r] = -INFINITY;
               continue;
             }
-            const __m512 mm = _mm512_set1_ps(m);
-            __m512 lv = _mm512_setzero_ps();
-            for (int64_t j = 0; j < kp; j += 16) {
-              const __m512 e = _mm512_maskz_mov_ps(below(j, lim), exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), mm)));
-              _mm512_storeu_ps(row + j, e);
-              lv = _mm512_add_ps(lv, e);
+            const vf mm = vset(m);
+            vf lv = vzero();
+            for (int64_t j = 0; j < kp; j += W) {
+              const vf e = keep(below(j, lim), vexp(vsub(vload(row + j), mm)));
+              vstore(row + j, e);
+              lv = vadd(lv, e);
             }
-            const float l = _mm512_reduce_add_ps(lv);
-            const __m512 inv = _mm512_set1_ps(1.f / l);
-            for (int64_t j = 0; j < lim; j += 16)
-              _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
+            const float l = hsum(lv);
+            const vf inv = vset(1.f / l);
+            for (int64_t j = 0; j < lim; j += W) vstore(row + j, vmul(vload(row + j), inv));
             lp[r] = m + std::log(l);
           }
-          gemm(qn, z.Hv, k1, s, kp, 1, vp, vs, PANEL, 1.f, false, op, os);
+          gemm(qn, z.Hv, k1, s, kp, 1, vr.data(), z.Hv, PANEL, 1.f, false, op, os);
         }
       }
     }
@@ -244,7 +326,7 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
   {
     const int64_t Sp = up16(z.S);
     std::vector<float> sbuf(z.bq * Sp), dpbuf(z.bq * Sp), dsum(z.bq), kt(packed_floats(z.S, z.H)),
-        vt(packed_floats(z.S, z.Hv));
+        vt(packed_floats(z.S, z.Hv)), kr(z.S * z.H), qb(z.bq * z.H), gb(z.bq * z.Hv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
@@ -257,6 +339,7 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
         std::memset(dvp + j * dvs, 0, z.Hv * sizeof(float));
       }
       pack_t(kp0, ks, z.S, z.H, kt.data());
+      pack_rows(kp0, ks, z.S, z.H, kr.data());
       pack_t(v + b * z.S * vs + kh * z.Hv, vs, z.S, z.Hv, vt.data());
       for (int64_t piece = part; piece < G * nqb; piece += parts) {
         const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;
@@ -275,13 +358,14 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
           }
           float *s = sbuf.data(), *dp = dpbuf.data();
           for (int64_t r = 0; r < qn; ++r) {  // D_r = dO_r . O_r - dlse_r
-            __m512 d = _mm512_setzero_ps();
-            for (int64_t c = 0; c < z.Hv; c += 16)
-              d = _mm512_fmadd_ps(_mm512_loadu_ps(op + r * os + c), _mm512_loadu_ps(gp + r * os + c), d);
-            dsum[r] = _mm512_reduce_add_ps(d) - dlp[r];
+            vf d = vzero();
+            for (int64_t c = 0; c < z.Hv; c += W) d = vfma(vload(op + r * os + c), vload(gp + r * os + c), d);
+            dsum[r] = hsum(d) - dlp[r];
           }
-          gemm(qn, kp, z.H, qp, qs, 1, kt.data(), PANEL, PANEL * z.H, z.scale, false, s, kp);     // logits
-          gemm(qn, kp, z.Hv, gp, os, 1, vt.data(), PANEL, PANEL * z.Hv, 1.f, false, dp, kp);      // dP = dO V^T
+          pack_rows(qp, qs, qn, z.H, qb.data());
+          pack_rows(gp, os, qn, z.Hv, gb.data());
+          gemm(qn, kp, z.H, qb.data(), z.H, 1, kt.data(), PANEL, PANEL * z.H, z.scale, false, s, kp);   // logits
+          gemm(qn, kp, z.Hv, gb.data(), z.Hv, 1, vt.data(), PANEL, PANEL * z.Hv, 1.f, false, dp, kp);  // dP = dO V^T
           for (int64_t r = 0; r < qn; ++r) {  // P, and dS = P (dP - D) in dP's place
             float *row = s + r * kp, *drow = dp + r * kp;
             const int64_t lim = std::max<int64_t>(z.limit(q0 + r), 0);
@@ -290,16 +374,16 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
               std::memset(drow, 0, kp * sizeof(float));
               continue;
             }
-            const __m512 mm = _mm512_set1_ps(lp[r]), dd = _mm512_set1_ps(dsum[r]);
-            for (int64_t j = 0; j < kp; j += 16) {
-              const __m512 p = _mm512_maskz_mov_ps(below(j, lim), exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), mm)));
-              _mm512_storeu_ps(row + j, p);
-              _mm512_storeu_ps(drow + j, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(drow + j), dd)));
+            const vf mm = vset(lp[r]), dd = vset(dsum[r]);
+            for (int64_t j = 0; j < kp; j += W) {
+              const vf p = keep(below(j, lim), vexp(vsub(vload(row + j), mm)));
+              vstore(row + j, p);
+              vstore(drow + j, vmul(p, vsub(vload(drow + j), dd)));
             }
           }
-          gemm(k1, z.Hv, qn, s, 1, kp, gp, os, PANEL, 1.f, true, dvp, dvs);        // dV += P^T dO
-          gemm(qn, z.H, k1, dp, kp, 1, kp0, ks, PANEL, z.scale, false, dqp, qs);   // dQ = scale dS K
-          gemm(k1, z.H, qn, dp, 1, kp, qp, qs, PANEL, z.scale, true, dkp, dks);    // dK += scale dS^T Q
+          gemm(k1, z.Hv, qn, s, 1, kp, gb.data(), z.Hv, PANEL, 1.f, true, dvp, dvs);         // dV += P^T dO
+          gemm(qn, z.H, k1, dp, kp, 1, kr.data(), z.H, PANEL, z.scale, false, dqp, qs);      // dQ = scale dS K
+          gemm(k1, z.H, qn, dp, 1, kp, qb.data(), z.H, PANEL, z.scale, true, dkp, dks);      // dK += scale dS^T Q
         }
       }
     }
