@@ -13,11 +13,19 @@ the benchmark's smoke run) compile with them too (``child_env``), except where a
 XLA's default program or a child runs longer than it compiles (the training example). Set
 ``XLA_FLAGS`` with an ``xla_backend_optimization_level`` of your own to override.
 
+Python's cyclic garbage collector: every test process ends up holding millions of long-lived
+objects (JAX's caches of traced and compiled programs), and each full collection walked all of
+them again (1-3 s each, about 5% of the suite's CPU time). After every test the young
+generations are collected and everything still alive is frozen (``gc.freeze``), so later full
+collections look only at what later tests create. Nothing a test checks depends on when garbage
+is collected.
+
 Error measure and tolerances: ``torch_ref.compare`` (max|a - b| / max|b| over a tensor;
 float64 1e-12, float32 1e-5).
 """
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import subprocess
@@ -126,6 +134,14 @@ def assert_printed(actual, printed, what: str = "") -> None:
     # A printed x.xxxx means the value lies within half a unit of the last digit (plus float slack).
     bad = np.abs(actual - printed) > 0.5e-4 + 1e-7
     assert not bad.any(), f"{what}: {actual[bad]} differ from printed {printed[bad]}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test: collect the young generations, then freeze what survives (see above)."""
+    yield
+    gc.collect(1)
+    gc.freeze()
 
 
 @pytest.fixture
