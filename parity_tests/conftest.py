@@ -13,6 +13,13 @@ the benchmark's smoke run) compile with them too (``child_env``), except where a
 XLA's default program or a child runs longer than it compiles (the training example). Set
 ``XLA_FLAGS`` with an ``xla_backend_optimization_level`` of your own to override.
 
+JAX's persistent compilation cache: unless ``JAX_COMPILATION_CACHE_DIR`` is set, the run's
+processes (the controller and its xdist workers) share one in a fresh temporary directory, which
+the controller removes at its exit, and keep every program in it: a program that a test compiles
+again (the plain reference of a case checked against several implementations, a layer's steps,
+in another worker) is read instead of compiled (two conformance and core files: 213 against
+197 s; a fresh directory each run, so a run never reads a program an earlier one compiled).
+
 Python's cyclic garbage collector: every test process ends up holding millions of long-lived
 objects (JAX's caches of traced and compiled programs), and each full collection walked all of
 them again (1-3 s each, about 5% of the suite's CPU time). After every test the young
@@ -25,11 +32,14 @@ float64 1e-12, float32 1e-5).
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 
@@ -62,6 +72,23 @@ if "xla_backend_optimization_level" not in (_user_flags or ""):
         del os.environ["XLA_FLAGS"]
     else:
         os.environ["XLA_FLAGS"] = _user_flags
+
+
+def _share_compilation_cache() -> None:
+    """One persistent compilation cache for the run's processes (see the module docstring)."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the user's own cache: left as it is
+        return
+    path = os.environ.get("FLAX_ATTN_TEST_COMPILATION_CACHE")
+    if path is None:  # the first process (the controller): the workers inherit the variable
+        path = tempfile.mkdtemp(prefix="flax_attn-tests-xla-")
+        os.environ["FLAX_ATTN_TEST_COMPILATION_CACHE"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+_share_compilation_cache()
 
 
 def child_env(**extra) -> dict:
