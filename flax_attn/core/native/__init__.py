@@ -315,8 +315,9 @@ def attend(q, k, v, *, causal: bool, scale: float, block_q: int, isa: Optional[s
     which must be loaded (:func:`unavailable`)."""
     _check_isa(isa)
     isa = isa or best_isa()
-    if unavailable(isa):
-        raise RuntimeError(f"the compiled CPU kernel cannot run: it does not support {unavailable(isa)}")
+    reason = unavailable(isa)
+    if reason:
+        raise RuntimeError(f"the compiled CPU kernel cannot run: it does not support {reason}")
     return tuple(forward_p.bind(q, k, v, causal=bool(causal), scale=float(scale), block_q=int(block_q), isa=isa))
 
 
@@ -331,7 +332,8 @@ class CpuNative(Implementation):
         floats, are one thread's working set. 64 was the fastest of 64, 128 and 256 at
         GPT-2-small's core on a 2-core Intel Xeon of family 6, model 207 (forward 0.72x, 0.89x
         and 0.93x PyTorch's SDPA; the diagonal blocks' masked half is computed and discarded,
-        so smaller blocks waste less).
+        so smaller blocks waste less), and 16 and 32 were no faster at 4,096 and 8,192 keys,
+        where a block's logits outgrow that CPU's 2 MiB L2 (``benchmarks/HISTORY.md``).
     """
 
     name: str = "cpu_native"
