@@ -98,10 +98,22 @@ def _on_host(x) -> bool:
 
 
 def _dense(name, x, target, check):
+    """A mask or bias, reshaped to 4 dims; a constant of a traced program behind a barrier.
+
+    Under ``jit``, an array whose values are known while tracing (NumPy data, or a concrete JAX
+    array the function closes over) becomes a constant of the program, and XLA then evaluates at
+    compile time everything computed from it alone: the reductions over it (which keys and
+    queries any pair reaches) ran in XLA's constant folder, element by element (a closed-over
+    2,048 x 2,048 causal mask took 8.5-15.8 s to compile against 0.2-1.0 s passed as an
+    argument, on an Intel Xeon of family 6, model 207). ``lax.optimization_barrier`` keeps the
+    constant as a value the program reads, as it reads an argument."""
     if x is None:
         return None
     check(name, x)
-    return jnp.asarray(x).reshape(_checks.check_broadcast(name, x, target, "(B, N, T, S)"))
+    shaped = jnp.asarray(x).reshape(_checks.check_broadcast(name, x, target, "(B, N, T, S)"))
+    if isinstance(shaped, jax.core.Tracer) and not isinstance(x, jax.core.Tracer):
+        shaped = jax.lax.optimization_barrier(shaped)
+    return shaped
 
 
 def bind_mask(m: Mask, bias, B, N, T, S, *, score_mod=None, score_dtype=jnp.float32) -> Mask:
