@@ -291,3 +291,25 @@ def test_core_benchmark_refuses_products_that_disagree_and_follows_the_library_p
     text = tables.tables({"machine": core.machine(), "repeats": 1, "rows": rows})  # a result file renders
     body = [line for line in text.splitlines() if line.startswith("| forward")]
     assert [line.rsplit("|", 2)[1].strip() for line in body] == [f"{r['ratio_vs_torch_sdpa']:.2f}x" for r in rows]
+
+
+def test_padded_benchmark_checks_agreement_and_names_the_automatic_choice(tmp_path):
+    """``python -m benchmarks.padded --smoke`` in process: every contender timed in both modes,
+    flax_attn's output checked against PyTorch's before timing, the automatic choice named (the
+    compiled kernel where it runs: it serves lengths), the result file written."""
+    import json
+
+    from benchmarks import padded
+    from flax_attn.core import native
+
+    out = tmp_path / "padded.json"
+    padded.main(["--smoke", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    autos = {r["contender"] for r in rows if r["contender"].startswith("flax_attn (auto: ")}
+    assert len(autos) == 1 and len(rows) == 3 * len(padded.MODES)
+    assert {(r["mode"], r["contender"]) for r in rows} == {
+        (mode, name) for mode in padded.MODES for name in (*autos, "flax_attn (blockwise)", "torch SDPA + mask")}
+    if native.unavailable() is None:
+        assert autos == {"flax_attn (auto: cpu_native)"}
+    assert all(r["seconds"] > 0 for r in rows)
+    assert "Padded attention" in padded.report(rows)

@@ -45,6 +45,15 @@ CASES = [
     Case("causal-T>S", (2, 30, 20, 2, 2, 32, 16), dict(is_causal=True), dtype=np.float32),
     # several query blocks of 64, the last one short; heads of 64
     Case("causal-130", (1, 130, 130, 2, 1, 64, 64), dict(is_causal=True), dtype=np.float32),
+    # lengths (padding) with causal, T < S: a row without queries, one whose keys end before the
+    # causal limit of most of its queries, one whose queries end inside a block
+    Case("causal-lengths-gqa", (3, 40, 50, 4, 2, 16, 16),
+         dict(is_causal=True, query_seq_lengths=np.array([40, 25, 0], np.int32),
+              key_value_seq_lengths=np.array([50, 7, 30], np.int32)), dtype=np.float32),
+    # lengths without a causal mask, T > S, several query blocks: a row without keys (zeros)
+    Case("lengths-T>S-70", (2, 70, 33, 2, 1, 32, 16),
+         dict(query_seq_lengths=np.array([70, 66], np.int32), key_value_seq_lengths=np.array([0, 20], np.int32)),
+         dtype=np.float32),
 ]
 
 
@@ -74,16 +83,26 @@ TRANSFORMS = {
 }
 
 
+TRANSFORM_MASKS = {
+    "causal": dict(is_causal=True),
+    "causal-lengths": dict(is_causal=True, query_seq_lengths=np.array([12, 7], np.int32),
+                           key_value_seq_lengths=np.array([9, 17], np.int32)),
+}
+
+
 @needs_kernel
+@pytest.mark.parametrize("mask", list(TRANSFORM_MASKS))
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_transformations_match_the_reference(transform):
+def test_transformations_match_the_reference(transform, mask):
     """Each transformation of the kernel (jitted, but 'eager') against the same transformation
     of the float64 reference on the same float32 inputs: relative 1e-5. Reverse mode runs the
-    kernel's backward; forward mode and higher orders differentiate the query-block path."""
-    case = Case("transform", (2, 12, 17, 2, 1, 16, 16), dict(is_causal=True), dtype=np.float32)
+    kernel's backward; forward mode and higher orders differentiate the query-block path. Under
+    vmap the lengths stay those of each batch row."""
+    kw = TRANSFORM_MASKS[mask]
+    case = Case("transform", (2, 12, 17, 2, 1, 16, 16), kw, dtype=np.float32)
     args, cot = case_args(case)
     apply = TRANSFORMS[transform]
-    f = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, implementation="cpu_native")
+    f = lambda q, k, v: fa.dot_product_attention(q, k, v, **kw, implementation="cpu_native")
     run = (lambda *a: apply(f, a, cot)) if transform == "eager" else jax.jit(lambda *a: apply(f, a, cot))
     got = run(*args)
     want = jax.jit(lambda *a: apply(reference_fn(case), a, cot.astype(np.float64)))(
@@ -186,7 +205,6 @@ REFUSED = {
     "head dim 8": (dict(H=8), "head dims H=8"),
     "value head dim 24": (dict(Hv=24), "Hv=24"),
     "window": (dict(local_window_size=(3, 0)), "the mask rule 'window'"),
-    "key lengths": (dict(key_value_seq_lengths=np.array([5, 64])), "the mask rule 'kv_lengths'"),
     "positions": (dict(query_positions=np.arange(64), key_positions=np.arange(64)), "the mask rule 'q_positions'"),
     "segments": (dict(query_segment_ids=np.zeros((2, 64), np.int32), key_segment_ids=np.zeros((2, 64), np.int32)),
                  "the mask rule 'q_segments'"),
@@ -217,6 +235,16 @@ def test_calls_naming_it_for_what_it_refuses_raise_with_the_reason(monkeypatch):
 @needs_kernel
 def test_the_automatic_choice_takes_it_for_the_float32_calls_it_serves_on_cpu():
     assert registry.choose(_call(T=128, S=128, is_causal=True)).name == "cpu_native"
+    padded = dict(query_seq_lengths=np.array([128, 90]), key_value_seq_lengths=np.array([100, 128]))
+    assert registry.choose(_call(T=128, S=128, is_causal=True, **padded)).name == "cpu_native"
+    # a decoding step with lengths (CpuNative.preferred): the key-block path over a large buffer
+    # of keys (it visits only the blocks in use), the plain path over a small one
+    step = _call(T=1, S=16384, H=64, Hv=64, key_value_seq_lengths=np.array([1024, 3000]))
+    assert registry.choose(step).name == "key_blocks" and CpuNative().supports(step) is None
+    small = _call(T=native.FEW_QUERIES, S=256, key_value_seq_lengths=np.array([100, 256]))
+    assert registry.choose(small).name != "cpu_native" and CpuNative().supports(small) is None
+    assert registry.choose(_call(T=native.FEW_QUERIES + 1, S=256, key_value_seq_lengths=np.array([100, 256]))
+                           ).name == "cpu_native"
     assert registry.choose(_call(T=128, S=128, dtype=jnp.float64, is_causal=True)).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, local_window_size=(8, 0))).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, platform="gpu", is_causal=True)).name != "cpu_native"

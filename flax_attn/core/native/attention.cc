@@ -2,15 +2,17 @@
 // twice: with AVX-512 (-march=x86-64-v4: 16 floats a vector) and with AVX2 and FMA (8 floats);
 // only the vector layer below differs.
 //
-//   out = softmax(scale * Q K^T [causal]) V          queries (B, T, N, H), keys (B, S, K, H),
-//   lse = log sum exp(scale * Q K^T [causal])        values (B, S, K, Hv), out (B, T, N, Hv),
-//                                                    lse (B, N, T); G = N / K query heads a key head
+//   out = softmax(scale * Q K^T [masked]) V          queries (B, T, N, H), keys (B, S, K, H),
+//   lse = log sum exp(scale * Q K^T [masked])        values (B, S, K, Hv), out (B, T, N, Hv),
+//                                                    lse (B, N, T); G = N / K query heads a key head;
+//                                                    lengths q_len, kv_len (B,) int32
 //
 // The backward pass takes the cotangents of both out and lse: with P the weights,
 //   dS = P (dO V^T - rowsum(dO O) + dlse),  dQ = scale dS K,  dK = scale dS^T Q,  dV = P^T dO.
 //
-// Causal rows are aligned at the end: query t sees keys s <= t + S - T. A row that sees no key
-// gets zeros and lse = -inf. H and Hv are multiples of 16; everything is float32.
+// Every row sees a prefix of the keys: query t of batch row b sees keys s < kv_len[b] (and, causal,
+// s <= t + S - T: aligned at the end); queries t >= q_len[b] see none. A row that sees no key
+// gets zeros and lse = -inf. H and Hv are multiples of 16; everything else is float32.
 //
 // Work is split into (batch row, key/value head) units over OpenMP threads (a unit's query heads and
 // blocks dealt to several tasks where there are too few units for the threads). A task packs its keys
@@ -244,9 +246,20 @@ struct Shape {
   bool causal;
   float scale;
   int64_t bq;
+  const int32_t *q_len, *kv_len;  // (B,)
   int64_t G() const { return N / K; }
-  // keys query t of a block may see: [0, limit(t))
-  int64_t limit(int64_t t) const { return causal ? std::min(S, t + (S - T) + 1) : S; }
+  // keys query t of batch row b may see: [0, limit(b, t))
+  int64_t limit(int64_t b, int64_t t) const {
+    if (t >= q_len[b]) return 0;
+    const int64_t keys = std::clamp<int64_t>(kv_len[b], 0, S);
+    return std::max<int64_t>(0, causal ? std::min(keys, t + (S - T) + 1) : keys);
+  }
+  // keys some query of the block [q0, q0 + qn) of batch row b may see: [0, reach(b, q0, qn))
+  int64_t reach(int64_t b, int64_t q0, int64_t qn) const {
+    int64_t k1 = 0;
+    for (int64_t r = 0; r < qn; ++r) k1 = std::max(k1, limit(b, q0 + r));
+    return k1;
+  }
   int64_t blocks() const { return (T + bq - 1) / bq; }
   // Each (batch row, key/value head) unit's G x blocks() pieces (query head, query block) are
   // dealt round-robin to parts() tasks: one a unit where the units alone give every thread two
@@ -266,13 +279,14 @@ void forward(const Shape& z, const float* q, const float* k, const float* v, flo
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
-      pack_t(k + b * z.S * ks + kh * z.H, ks, z.S, z.H, kt.data());
-      pack_rows(v + b * z.S * vs + kh * z.Hv, vs, z.S, z.Hv, vr.data());
+      const int64_t kb = z.reach(b, 0, z.T);  // keys any query of the row sees: only they are packed
+      pack_t(k + b * z.S * ks + kh * z.H, ks, kb, z.H, kt.data());
+      pack_rows(v + b * z.S * vs + kh * z.Hv, vs, kb, z.Hv, vr.data());
       for (int64_t piece = part; piece < G * nqb; piece += parts) {
         const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;  // longest blocks first
         {
           const int64_t q0 = i * z.bq, qn = std::min(z.bq, z.T - q0);
-          const int64_t k1 = std::max<int64_t>(z.limit(q0 + qn - 1), 0), kp = up16(k1);
+          const int64_t k1 = z.reach(b, q0, qn), kp = up16(k1);
           float* op = o + (b * z.T + q0) * os + h * z.Hv;
           float* lp = lse + (b * z.N + h) * z.T + q0;
           if (k1 == 0) {
@@ -287,7 +301,7 @@ void forward(const Shape& z, const float* q, const float* k, const float* v, flo
                s, kp);
           for (int64_t r = 0; r < qn; ++r) {
             float* row = s + r * kp;
-            const int64_t lim = std::max<int64_t>(z.limit(q0 + r), 0);
+            const int64_t lim = z.limit(b, q0 + r);
             vf mv = vset(-INFINITY);
             for (int64_t j = 0; j < kp; j += W) mv = max_where(mv, below(j, lim), vload(row + j));
             const float m = hmax(mv);
@@ -338,14 +352,15 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
         std::memset(dkp + j * dks, 0, z.H * sizeof(float));
         std::memset(dvp + j * dvs, 0, z.Hv * sizeof(float));
       }
-      pack_t(kp0, ks, z.S, z.H, kt.data());
-      pack_rows(kp0, ks, z.S, z.H, kr.data());
-      pack_t(v + b * z.S * vs + kh * z.Hv, vs, z.S, z.Hv, vt.data());
+      const int64_t kb = z.reach(b, 0, z.T);  // keys any query of the row sees: only they are packed
+      pack_t(kp0, ks, kb, z.H, kt.data());
+      pack_rows(kp0, ks, kb, z.H, kr.data());
+      pack_t(v + b * z.S * vs + kh * z.Hv, vs, kb, z.Hv, vt.data());
       for (int64_t piece = part; piece < G * nqb; piece += parts) {
         const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;
         {
           const int64_t q0 = i * z.bq, qn = std::min(z.bq, z.T - q0);
-          const int64_t k1 = std::max<int64_t>(z.limit(q0 + qn - 1), 0), kp = up16(k1);
+          const int64_t k1 = z.reach(b, q0, qn), kp = up16(k1);
           const float* qp = q + (b * z.T + q0) * qs + h * z.H;
           const float* op = o + (b * z.T + q0) * os + h * z.Hv;
           const float* gp = dout + (b * z.T + q0) * os + h * z.Hv;
@@ -368,7 +383,7 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
           gemm(qn, kp, z.Hv, gb.data(), z.Hv, 1, vt.data(), PANEL, PANEL * z.Hv, 1.f, false, dp, kp);  // dP = dO V^T
           for (int64_t r = 0; r < qn; ++r) {  // P, and dS = P (dP - D) in dP's place
             float *row = s + r * kp, *drow = dp + r * kp;
-            const int64_t lim = std::max<int64_t>(z.limit(q0 + r), 0);
+            const int64_t lim = z.limit(b, q0 + r);
             if (lim == 0 || lp[r] == -INFINITY) {
               std::memset(row, 0, kp * sizeof(float));
               std::memset(drow, 0, kp * sizeof(float));
@@ -407,35 +422,39 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
   }
 }
 
-ffi::Error shape_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, int64_t causal,
-                    float scale, int64_t block_q, Shape* z) {
+ffi::Error shape_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                    ffi::Buffer<ffi::S32>& q_len, ffi::Buffer<ffi::S32>& kv_len, int64_t causal, float scale,
+                    int64_t block_q, Shape* z) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
     return ffi::Error::InvalidArgument("query, key and value must be 4-dimensional");
-  *z = Shape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3], causal != 0, scale, block_q};
+  *z = Shape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3], causal != 0, scale, block_q, q_len.typed_data(),
+             kv_len.typed_data()};
   if (kd[0] != z->B || vd[0] != z->B || vd[1] != z->S || vd[2] != z->K || kd[3] != z->H || z->K == 0 ||
-      z->N % z->K != 0 || z->H % 16 != 0 || z->Hv % 16 != 0 || block_q <= 0)
+      z->N % z->K != 0 || z->H % 16 != 0 || z->Hv % 16 != 0 || block_q <= 0 ||
+      q_len.element_count() != size_t(z->B) || kv_len.element_count() != size_t(z->B))
     return ffi::Error::InvalidArgument("shapes outside the kernel's contract");
   return ffi::Error::Success();
 }
 
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                   ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t causal, float scale,
                    int64_t block_q) {
   Shape z;
-  ffi::Error e = shape_of(q, k, v, causal, scale, block_q, &z);
+  ffi::Error e = shape_of(q, k, v, q_len, kv_len, causal, scale, block_q, &z);
   if (e.failure()) return e;
   forward(z, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(), lse->typed_data());
   return ffi::Error::Success();
 }
 
 ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                    ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                    ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
                     ffi::Buffer<ffi::F32> dlse,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
                     int64_t causal, float scale, int64_t block_q) {
   Shape z;
-  ffi::Error e = shape_of(q, k, v, causal, scale, block_q, &z);
+  ffi::Error e = shape_of(q, k, v, q_len, kv_len, causal, scale, block_q, &z);
   if (e.failure()) return e;
   backward(z, q.typed_data(), k.typed_data(), v.typed_data(), out.typed_data(), lse.typed_data(), dout.typed_data(),
            dlse.typed_data(), dq->typed_data(), dk->typed_data(), dv->typed_data());
@@ -449,6 +468,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttnCpuForward, Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("causal")
@@ -460,6 +481,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttnCpuBackward, Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
