@@ -248,19 +248,27 @@ def report(rows: list[dict], measured_on: dict = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def table_main(argv, description: str, stem: str, run, smoke, report) -> None:
+    """The command line of a benchmark that prints one table and writes one result file:
+    ``--repeats`` (for ``run(repeats)``, the rows), ``--smoke`` (``smoke()``: tiny shapes, one
+    round) and ``--out`` (default ``benchmarks/results/<stem>-<cpu>[-smoke].json``, holding the
+    machine, the repeats and the rows); ``report(rows)`` is the table printed."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = run(1, SMOKE_SHAPE) if args.smoke else run(args.repeats)
+    rows = smoke() if args.smoke else run(args.repeats)
     print(report(rows))
-    out = args.out or RESULTS / f"core-{cpu.slug()}{'-smoke' if args.smoke else ''}.json"
+    out = args.out or RESULTS / f"{stem}-{cpu.slug()}{'-smoke' if args.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "repeats": 1 if args.smoke else args.repeats, "rows": rows},
                               indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def main(argv=None) -> None:
+    table_main(argv, __doc__.splitlines()[0], "core", run, lambda: run(1, SMOKE_SHAPE), report)
 
 
 if __name__ == "__main__":

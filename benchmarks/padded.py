@@ -30,16 +30,14 @@ Before timing, flax_attn's output must equal PyTorch's within float32's 1e-5 (re
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-from pathlib import Path
 
 import numpy as np
 
 from benchmarks import cpu
+from benchmarks.core import table_main
 from benchmarks.decode import machine
-from benchmarks.run import RESULTS, time_in_turns
+from benchmarks.run import time_in_turns
 
 CELLS = {
     "gpt2": dict(batch=8, heads=12, kv_heads=12, tokens=1024, head_dim=64, causal=True,
@@ -140,18 +138,7 @@ def report(rows: list[dict], measured_on: dict = None) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    rows = run(1, SMOKE_CELLS) if args.smoke else run(args.repeats)
-    print(report(rows))
-    out = args.out or RESULTS / f"padded-{cpu.slug()}{'-smoke' if args.smoke else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "repeats": 1 if args.smoke else args.repeats, "rows": rows},
-                              indent=1) + "\n")
-    print(f"wrote {out}")
+    table_main(argv, __doc__.splitlines()[0], "padded", run, lambda: run(1, SMOKE_CELLS), report)
 
 
 if __name__ == "__main__":
