@@ -30,8 +30,8 @@ higher derivatives differentiate the query-block path in JAX (slower, linear mem
 primitives below say how. Under ``vmap`` the mapped axis joins the batch axis: one kernel call.
 
 **The automatic choice** takes it on CPU for the float32 calls it serves from ``min_length``
-tokens (queries and keys) where JAX sees one device, but leaves a call with lengths that the
-key-block path takes (:meth:`CpuNative.preferred`); ``jax.export`` refuses programs holding it (its FFI target has no
+tokens (queries and keys) where JAX sees one device, but leaves a call with lengths and at most
+:data:`FEW_QUERIES` queries, or one the key-block path takes (:meth:`CpuNative.preferred`); ``jax.export`` refuses programs holding it (its FFI target has no
 compatibility guarantee): export with ``implementation='query_blocks'``, or pass
 ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name)]`` for the two
 :data:`TARGETS` of the build it holds, where the exported program runs in a process that loaded
