@@ -254,11 +254,11 @@ struct Shape {
     const int64_t keys = std::clamp<int64_t>(kv_len[b], 0, S);
     return std::max<int64_t>(0, causal ? std::min(keys, t + (S - T) + 1) : keys);
   }
-  // keys some query of the block [q0, q0 + qn) of batch row b may see: [0, reach(b, q0, qn))
+  // keys some query of the block [q0, q0 + qn) of batch row b may see: [0, reach(b, q0, qn)),
+  // the limit of its last query that has any (limit grows with t up to q_len[b], then is 0)
   int64_t reach(int64_t b, int64_t q0, int64_t qn) const {
-    int64_t k1 = 0;
-    for (int64_t r = 0; r < qn; ++r) k1 = std::max(k1, limit(b, q0 + r));
-    return k1;
+    const int64_t last = std::min<int64_t>(q0 + qn, q_len[b]) - 1;
+    return last < q0 ? 0 : limit(b, last);
   }
   int64_t blocks() const { return (T + bq - 1) / bq; }
   // Each (batch row, key/value head) unit's G x blocks() pieces (query head, query block) are
@@ -449,8 +449,8 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 }
 
 ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                    ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
-                    ffi::Buffer<ffi::F32> dlse,
+                    ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::F32> out,
+                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> dlse,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
                     int64_t causal, float scale, int64_t block_q) {
   Shape z;
