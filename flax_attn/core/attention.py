@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from flax_attn import _checks
-from flax_attn.core import numerics, registry
+from flax_attn.core import numerics, registry, tuning
 from flax_attn.core.call import describe
 from flax_attn.core.mask import Mask
 
@@ -168,7 +168,13 @@ def _run(impl, automatic: bool, call, query, key, value, dropout_rng) -> registr
                                   dropout_rng)
     m = call.mask
     if (not automatic or (m.q_positions is None and m.k_positions is None) or not (m.uses_positions or m.chunk)
-            or m.mask_mods or m.score_mod is not None):  # a user's rule may read the positions themselves
+            or m.mask_mods or m.score_mod is not None  # a user's rule may read the positions themselves
+            or tuning.keys_stored_as() is not None):
+        # Over a KV cache (a layer declares its layout) the slots not yet written hold position
+        # 0, so only a full cache could take the other branch, and the conditional would cost
+        # every step a copy of the cache (a transposed one for 'BKSH': a decoding step of batch
+        # 8 over 1,024 tokens, 768 wide, took 78 ms against 13 ms without it on a 2-core Intel
+        # Xeon of family 6, model 207).
         return run(impl, call)
     by_index = dataclasses.replace(call, mask=dataclasses.replace(m, q_positions=None, k_positions=None))
     fast = registry.choose(by_index)

@@ -40,8 +40,9 @@ class Implementation:
     name: str = "?"
     # True: keys and values that no query may use (past the lengths, negative segment ids, an
     # all-False column of the mask) cannot reach the result even if they hold NaN or Inf, because
-    # the implementation zeroes what it reads of them itself; the caller's zeroing pass over every
-    # key and value (a read and a write of the whole key/value arrays) is then skipped
+    # the implementation zeroes what it reads of them itself (or never reads them); the caller's
+    # zeroing pass over every key and value (a read and a write of the whole key/value arrays) is
+    # then skipped
     zeroes_blocked_keys: bool = False
 
     def supports(self, call) -> Optional[str]:

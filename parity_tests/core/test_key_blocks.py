@@ -178,7 +178,11 @@ def test_nan_past_the_lengths_is_zeroed_block_by_block(form, stored, avx512):
         assert_close(g, w, np.float64, f"d{what}")
 
 
-def test_automatic_choice_and_refusals():
+def test_automatic_choice_and_refusals(monkeypatch):
+    """The choices among the pure-JAX paths (on a CPU where the compiled kernel runs, it takes
+    the float32 calls it serves first, decoding steps included: tested in test_native.py)."""
+    monkeypatch.setattr(native, "unavailable", lambda isa=None: "this CPU (the kernel needs AVX-512, or AVX2 with FMA)")
+
     def call(S, T=1, platform="cpu", lengths=True, **kw):
         q = jax.ShapeDtypeStruct((8, T, 12, 64), jnp.float32)
         k = jax.ShapeDtypeStruct((8, S, 12, 64), jnp.float32)
@@ -196,11 +200,9 @@ def test_automatic_choice_and_refusals():
         assert registry.choose(call(8192, T=2048)).name == "key_blocks"
         assert registry.choose(call(8192, T=2049)).name != "key_blocks"
         assert registry.choose(call(1024, T=1024)).name != "key_blocks"
-    # self-attention with key lengths: the compiled kernel where it runs (it serves lengths)
-    kernel = native.unavailable() is None
+    # self-attention with key lengths: not key blocks
     assert registry.choose(describe(*(jax.ShapeDtypeStruct((8, 1024, 12, 64), jnp.float32),) * 3, platform="cpu",
-                                    key_value_seq_lengths=np.full((8,), 100, np.int32))).name == (
-        "cpu_native" if kernel else "query_blocks")
+                                    key_value_seq_lengths=np.full((8,), 100, np.int32))).name == "query_blocks"
     with tuning.keys_stored("BSKH"):
         assert KeyBlocks().preferred(call(8192, T=17)) and not KeyBlocks(keys_per_query=1024).preferred(call(8192, T=17))
     # multi-query attention, 128 heads over one latent key (absorbed MLA): 128 rows, one query

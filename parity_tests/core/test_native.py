@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
-from flax_attn.core import CpuNative, native, registry
+from flax_attn.core import CpuNative, native, registry, tuning
 from flax_attn.core.call import describe
 
 from .test_conformance import Case, case_args, check_cases, reference_fn, rel_error
@@ -54,6 +54,17 @@ CASES = [
     Case("lengths-T>S-70", (2, 70, 33, 2, 1, 32, 16),
          dict(query_seq_lengths=np.array([70, 66], np.int32), key_value_seq_lengths=np.array([0, 20], np.int32)),
          dtype=np.float32),
+    # A few query rows a task (kernel.cc's forward_few: keys and values read where they lie).
+    # One query, grouped heads, causal: a row whose keys end early, one without keys (zeros)
+    Case("few-decode-gqa-lengths", (3, 1, 50, 8, 2, 16, 32),
+         dict(is_causal=True, key_value_seq_lengths=np.array([50, 7, 0], np.int32)), dtype=np.float32),
+    # causal with T < S: each query its own limit; heads of 64 over keys in several L1 chunks
+    Case("few-causal-T<S-H=64", (2, 3, 150, 2, 2, 64, 64), dict(is_causal=True), dtype=np.float32),
+    # multi-query, four query heads in a task, a row with two of its four queries (zeros after)
+    Case("few-mqa-query-lengths", (2, 4, 37, 4, 1, 16, 16),
+         dict(query_seq_lengths=np.array([2, 4], np.int32)), dtype=np.float32),
+    # causal with T > S: the first two queries see nothing
+    Case("few-causal-T>S", (2, 5, 3, 2, 1, 16, 16), dict(is_causal=True), dtype=np.float32),
 ]
 
 
@@ -163,6 +174,30 @@ def test_reverse_mode_runs_the_kernels_backward_and_forward_mode_does_not():
 
 
 @pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("T", [3, 40], ids=["few-queries", "blocks"])
+def test_nan_and_inf_in_padding_never_leak(T, isa):
+    """Keys and values past ``key_value_seq_lengths`` reach the kernel as they are (the caller
+    does not zero them for it: ``zeroes_blocked_keys``), and queries past ``query_seq_lengths``
+    hold NaN: outputs and gradients are finite and bit for bit those of clean inputs."""
+    assert CpuNative.zeroes_blocked_keys
+    B, S, N, K, H = 2, 50, 4, 2, 16
+    kv_len, q_len = np.array([50, 21], np.int32), np.array([T, T - 2], np.int32)
+    case = Case("padding", (B, T, S, N, K, H, H), dict(is_causal=True), dtype=np.float32)
+    (q, k, v), cot = case_args(case)
+    kpad = np.arange(S)[None, :] >= kv_len[:, None]
+    qpad = np.arange(T)[None, :] >= q_len[:, None]
+    poison = lambda x, where, value: jnp.asarray(np.where(where[:, :, None, None], value, np.asarray(x)))
+    f = lambda q, k, v: fa.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=kv_len,
+                                                 query_seq_lengths=q_len, implementation=CpuNative(isa=isa))
+    run = jax.jit(lambda *a: jax.vjp(f, *a)[1](cot) + (f(*a),))
+    clean = run(q, k, v)
+    dirty = run(poison(q, qpad, np.nan), poison(k, kpad, np.nan), poison(v, kpad, np.inf))
+    for name, a, b in zip(("dq", "dk", "dv", "output"), dirty, clean):
+        assert np.isfinite(np.asarray(a)).all(), f"{name} is not finite"
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} differs from the clean run")
+
+
+@pytest.mark.parametrize("isa", BUILDS)
 def test_the_log_sum_exp_and_its_gradient(isa):
     """``return_residual=True``: the lse (B, T, N) equals the reference's, -inf where a row sees
     nothing, and gradients through it (the kernel's backward takes the lse's cotangent) match."""
@@ -237,14 +272,17 @@ def test_the_automatic_choice_takes_it_for_the_float32_calls_it_serves_on_cpu():
     assert registry.choose(_call(T=128, S=128, is_causal=True)).name == "cpu_native"
     padded = dict(query_seq_lengths=np.array([128, 90]), key_value_seq_lengths=np.array([100, 128]))
     assert registry.choose(_call(T=128, S=128, is_causal=True, **padded)).name == "cpu_native"
-    # a decoding step with lengths (CpuNative.preferred): the key-block path over a large buffer
-    # of keys (it visits only the blocks in use), the plain path over a small one
-    step = _call(T=1, S=16384, H=64, Hv=64, key_value_seq_lengths=np.array([1024, 3000]))
-    assert registry.choose(step).name == "key_blocks" and CpuNative().supports(step) is None
-    small = _call(T=native.FEW_QUERIES, S=256, key_value_seq_lengths=np.array([100, 256]))
-    assert registry.choose(small).name != "cpu_native" and CpuNative().supports(small) is None
-    assert registry.choose(_call(T=native.FEW_QUERIES + 1, S=256, key_value_seq_lengths=np.array([100, 256]))
+    # decoding steps with lengths, over a large buffer of keys and a small one
+    assert registry.choose(_call(T=1, S=16384, H=64, Hv=64, key_value_seq_lengths=np.array([1024, 3000]))
                            ).name == "cpu_native"
+    assert registry.choose(_call(T=1, S=256, is_causal=True, key_value_seq_lengths=np.array([100, 256]))
+                           ).name == "cpu_native"
+    # keys of a KV cache stored in another order would reach the kernel only through a copy
+    for layout, block in (("BKSH", None), ("blocks", 16)):
+        with tuning.keys_stored(layout, block):
+            assert registry.choose(_call(T=1, S=256, key_value_seq_lengths=np.array([100, 256]))).name != "cpu_native"
+    with tuning.keys_stored("BSKH"):
+        assert registry.choose(_call(T=1, S=256, key_value_seq_lengths=np.array([100, 256]))).name == "cpu_native"
     assert registry.choose(_call(T=128, S=128, dtype=jnp.float64, is_causal=True)).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, local_window_size=(8, 0))).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, platform="gpu", is_causal=True)).name != "cpu_native"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flax_attn as fa
-from flax_attn.core import Blockwise, Implementation, Result, Splash, XLA, registry
+from flax_attn.core import Blockwise, Implementation, Result, Splash, XLA, registry, tuning
 from flax_attn.core import mask as M
 from flax_attn.core.call import describe
 from torch_ref.compare import max_rel_error
@@ -51,7 +51,7 @@ def test_automatic_choice_on_cpu_takes_the_compiled_kernel_where_it_serves():
     assert _chosen(T=64, S=64, is_causal=False) == "cpu_native"
     assert _chosen(return_residual=True) == "cpu_native"
     in_use = np.array([300, 1000], np.int32)
-    assert _chosen(T=1, S=8192, key_value_seq_lengths=in_use) == "key_blocks"   # lengths: not the kernel's
+    assert _chosen(T=1, S=8192, key_value_seq_lengths=in_use) == "cpu_native"   # it reads only the keys in use
     assert _chosen(dtype=jnp.float64) == "query_blocks"                          # float32 only
     assert _chosen(H=72) == "query_blocks"                                       # head dims of multiples of 16
     assert _chosen(local_window_size=(16, 0)) == "query_blocks"
@@ -369,7 +369,7 @@ def test_shifted_default_positions():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="query blocks are the CPU choice")
 @pytest.mark.parametrize("positions", ["shifted", "packed"])
 @pytest.mark.parametrize("rules", [dict(is_causal=True), dict(is_causal=True, local_window_size=(40, 0))])
-def test_automatic_choice_takes_query_blocks_at_run_time_for_shifted_default_positions(positions, rules):
+def test_automatic_choice_takes_query_blocks_at_run_time_for_shifted_default_positions(positions, rules, monkeypatch):
     """Positions given as arrays: the automatic choice runs query blocks (the choice for default
     positions) where the positions are the default ones shifted, and blockwise otherwise, decided
     at run time; outputs and derivatives (reverse and forward mode, and under vmap) equal the
@@ -384,6 +384,20 @@ def test_automatic_choice_takes_query_blocks_at_run_time_for_shifted_default_pos
     attend = lambda q, k, v, implementation=None: fa.dot_product_attention(  # noqa: E731
         q, k, v, query_positions=pos, key_positions=pos, implementation=implementation, **rules)
     assert "cond[" in str(jax.make_jaxpr(attend)(q, k, v))
+    # over a KV cache (a layer declares its layout) the choice is made at trace time: unwritten
+    # slots hold position 0, and the conditional would copy the cache at every step
+    from flax_attn.core import attention
+
+    asked = []
+    monkeypatch.setattr(attention, "shifted_default_positions",
+                        lambda *a, real=attention.shifted_default_positions: asked.append(1) or real(*a))
+    trace = lambda: jax.make_jaxpr(lambda *a: attend(*a))(q, k, v)  # noqa: E731 (a new function: traced anew)
+    trace()
+    assert len(asked) == 1
+    for layout in ("BKSH", "BSKH"):
+        with tuning.keys_stored(layout):
+            trace()
+    assert len(asked) == 1
     ref = lambda q, k, v: attend(q, k, v, "xla")  # noqa: E731
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
     assert max_rel_error(attend(q, k, v), ref(q, k, v)) < 1e-12

@@ -18,7 +18,10 @@ refuses every call and says why (:func:`unavailable`).
 the default positions (query ``t`` sees keys ``s <= t + S - T``) or no mask, per-sequence
 lengths (``query_seq_lengths``, ``key_value_seq_lengths``: padding), head dims that are
 multiples of 16, the scale. Every row sees a prefix of the keys, so a block of queries computes
-its logits against the longest prefix any of its rows sees. Refused, each by name: other
+its logits against the longest prefix any of its rows sees; keys past it are never read, so
+the caller does not zero padding for it. Where the queries are few (a decoding step: at most 16
+query rows a task), the keys and values are read where they lie instead of packed first.
+Refused, each by name: other
 dtypes, a bias, boolean masks, explicit positions, segment ids, windows, chunks, soft-capping,
 sinks, score and mask rules, dropout, returned weights, symbolic shapes. ``return_residual`` is
 served.
@@ -30,8 +33,8 @@ higher derivatives differentiate the query-block path in JAX (slower, linear mem
 primitives below say how. Under ``vmap`` the mapped axis joins the batch axis: one kernel call.
 
 **The automatic choice** takes it on CPU for the float32 calls it serves from ``min_length``
-tokens (queries and keys) where JAX sees one device, but leaves a call with lengths and at most
-:data:`FEW_QUERIES` queries, or one the key-block path takes (:meth:`CpuNative.preferred`); ``jax.export`` refuses programs holding it (its FFI target has no
+tokens (queries and keys) where JAX sees one device (:meth:`CpuNative.preferred`), decoding
+steps included; ``jax.export`` refuses programs holding it (its FFI target has no
 compatibility guarantee): export with ``implementation='query_blocks'``, or pass
 ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name)]`` for the two
 :data:`TARGETS` of the build it holds, where the exported program runs in a process that loaded
@@ -66,7 +69,6 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from flax_attn import _checks
 from flax_attn.core import tuning
 from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
@@ -340,11 +342,6 @@ def attend(q, k, v, *, causal: bool, scale: float, block_q: int, isa: Optional[s
                                 isa=isa))
 
 
-FEW_QUERIES = 16
-"""The automatic choice leaves calls with lengths and at most this many queries to the pure-JAX
-paths (:meth:`CpuNative.preferred`); the key-block path's ``max_queries``."""
-
-
 @dataclasses.dataclass(frozen=True)
 class CpuNative(Implementation):
     """The compiled CPU kernel (see the module docstring for what it serves and how it is built).
@@ -364,6 +361,10 @@ class CpuNative(Implementation):
     block_q: int = 64
     min_length: int = 1
     isa: Optional[str] = None
+    # Keys past a row's length are neither packed nor read (each task takes the prefix that its
+    # rows see), so NaN or Inf there cannot reach the result: the caller's zeroing pass over every
+    # key and value, which cost more than the kernel itself on a decoding step, is skipped.
+    zeroes_blocked_keys = True
 
     def __post_init__(self):
         _check_isa(self.isa)
@@ -380,24 +381,15 @@ class CpuNative(Implementation):
         may be sharded, and XLA would gather them onto every device for the kernel (its SPMD
         partitioner has no rule for it; named inside ``shard_map``, it runs per device).
 
-        Not for a call with lengths of at most :data:`FEW_QUERIES` queries (a decoding step over
-        a buffer of keys), nor one that the key-block path takes (which visits only the key
-        blocks in use): per (batch row, key/value head) the kernel packs every key in use, which
-        a few queries do not repay. On a 2-core Intel Xeon of family 6, model 207, 12 heads of
-        64, float32, key lengths, one query: over 1,025 of 1,030 keys (batch 1), 3.26 ms through
-        the kernel against 2.03 ms on the plain path and 1.87 ms in query blocks; over 1,024 of
-        8,192 keys, 21.3 ms against 1.1 ms in key blocks (batch 1) and 149.7 against 12.7 ms
-        (batch 8); 16 queries over 4,096 of 8,192 keys (batch 8), 215.4 against 84.0 ms."""
-        if not (call.platform == "cpu" and min(call.T, call.S) >= self.min_length and jax.device_count() == 1):
-            return False
-        if call.mask.q_lengths is None and call.mask.kv_lengths is None:
-            return True
-        if _checks.decided(lambda: call.T <= FEW_QUERIES):
-            return False
-        from flax_attn.core import registry
-
-        key_blocks = next((r for r in registry.implementations() if r.name == "key_blocks"), None)
-        return key_blocks is None or key_blocks.supports(call) is not None or not key_blocks.preferred(call)
+        Calls with lengths too, a decoding step's included: a task reads only the keys its rows
+        see, and a few query rows read them where they lie. On a 2-core Intel Xeon of family 6,
+        model 207, 12 heads of 64, float32, one query over 1,024 of 8,192 keys: 0.21 ms (batch
+        1) and 1.6 ms (batch 8) through the kernel, against 1.6 and 14.5 ms in key blocks. Not
+        under a declared KV cache layout (:func:`flax_attn.core.tuning.keys_stored`): the kernel
+        takes keys ``(B, S, K, H)`` as they are, and would read a ``'BKSH'`` or ``'blocks'``
+        cache only after a transposed copy."""
+        return (call.platform == "cpu" and min(call.T, call.S) >= self.min_length and jax.device_count() == 1
+                and tuning.keys_stored_as() in (None, "BSKH"))
 
     def supports(self, call) -> Optional[str]:
         reason = refuses_dropout_and_weights(call)

@@ -248,6 +248,9 @@ struct Shape {
   int64_t bq;
   const int32_t *q_len, *kv_len;  // (B,)
   int64_t G() const { return N / K; }
+  // Key or value j (D floats) of unit (b, kh) at kv_offset(b, kh, D) + j kv_stride(D).
+  int64_t kv_stride(int64_t D) const { return K * D; }
+  int64_t kv_offset(int64_t b, int64_t kh, int64_t D) const { return b * S * K * D + kh * D; }
   // keys query t of batch row b may see: [0, limit(b, t))
   int64_t limit(int64_t b, int64_t t) const {
     if (t >= q_len[b]) return 0;
@@ -268,10 +271,110 @@ struct Shape {
     const int64_t threads = omp_get_max_threads(), units = B * K;
     return std::max<int64_t>(1, std::min(G() * blocks(), (2 * threads + units - 1) / units));
   }
+  // The most query rows a forward task has where the queries fit one block: its query heads' T each.
+  int64_t task_rows() const { return T * ((G() + parts() - 1) / parts()); }
 };
 
+// The forward pass reads the keys and values where they lie (forward_few) for tasks of at most
+// this many query rows: a decoding step's. Packing them first costs a pass over every key that
+// so few rows do not repay.
+constexpr int64_t FEW_ROWS = 16;
+
+// Row `row`'s weights in place: the softmax over its first lim of kp logits, zeros after them;
+// returns the log-sum-exp, -inf (and all zeros) where the row sees no key.
+float softmax_row(float* row, int64_t kp, int64_t lim) {
+  vf mv = vset(-INFINITY);
+  for (int64_t j = 0; j < kp; j += W) mv = max_where(mv, below(j, lim), vload(row + j));
+  const float m = hmax(mv);
+  if (lim == 0 || m == -INFINITY) {
+    std::memset(row, 0, kp * sizeof(float));
+    return -INFINITY;
+  }
+  const vf mm = vset(m);
+  vf lv = vzero();
+  for (int64_t j = 0; j < kp; j += W) {
+    const vf e = keep(below(j, lim), vexp(vsub(vload(row + j), mm)));
+    vstore(row + j, e);
+    lv = vadd(lv, e);
+  }
+  const float l = hsum(lv);
+  const vf inv = vset(1.f / l);
+  for (int64_t j = 0; j < lim; j += W) vstore(row + j, vmul(vload(row + j), inv));
+  return m + std::log(l);
+}
+
+// s[r ss + j] = scale q_r . k_j for n query rows (row r at q + r H) and the first k1 keys where
+// they lie (key j at k + j ks); the keys in chunks that stay in L1 while every row takes them.
+void dot_logits(int64_t n, int64_t k1, int64_t H, const float* q, const float* k, int64_t ks, float scale, float* s,
+                int64_t ss) {
+  const int64_t chunk = std::max<int64_t>(16, 4096 / H);
+  for (int64_t j0 = 0; j0 < k1; j0 += chunk) {
+    const int64_t j1 = std::min(k1, j0 + chunk);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* qr = q + r * H;
+      float* sr = s + r * ss;
+      int64_t j = j0;
+      for (; j + 4 <= j1; j += 4) {
+        const float* kj = k + j * ks;
+        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        for (int64_t c = 0; c < H; c += W) {
+          const vf x = vload(qr + c);
+          a0 = vfma(x, vload(kj + c), a0);
+          a1 = vfma(x, vload(kj + ks + c), a1);
+          a2 = vfma(x, vload(kj + 2 * ks + c), a2);
+          a3 = vfma(x, vload(kj + 3 * ks + c), a3);
+        }
+        sr[j] = scale * hsum(a0);
+        sr[j + 1] = scale * hsum(a1);
+        sr[j + 2] = scale * hsum(a2);
+        sr[j + 3] = scale * hsum(a3);
+      }
+      for (; j < j1; ++j) {
+        vf a = vzero();
+        for (int64_t c = 0; c < H; c += W) a = vfma(vload(qr + c), vload(k + j * ks + c), a);
+        sr[j] = scale * hsum(a);
+      }
+    }
+  }
+}
+
+// The forward pass where the queries fit one block and a task has few rows (T <= bq, task_rows() <= FEW_ROWS): a task's rows
+// (its query heads' T queries) take their logits against the keys where they lie, one row of
+// weights each, and one product with the values where they lie.
+void forward_few(const Shape& z, const float* q, const float* k, const float* v, float* o, float* lse) {
+  const int64_t qs = z.N * z.H, ks = z.kv_stride(z.H), vs = z.kv_stride(z.Hv), os = z.N * z.Hv;
+  const int64_t parts = z.parts(), tasks = z.B * z.K * parts, G = z.G(), rows = z.task_rows();
+#pragma omp parallel
+  {
+    std::vector<float> logits(rows * up16(z.S)), qb(rows * z.H), ob(rows * z.Hv);
+    std::vector<int64_t> heads(rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
+      const int64_t k1 = z.reach(b, 0, z.T), kp = up16(k1);
+      int64_t n = 0;  // the task's rows: (query head, query) in qb
+      for (int64_t g = part; g < G; g += parts)
+        for (int64_t t = 0; t < z.T; ++t, ++n) {
+          heads[n] = kh * G + g;
+          std::memcpy(qb.data() + n * z.H, q + (b * z.T + t) * qs + heads[n] * z.H, z.H * sizeof(float));
+        }
+      float* s = logits.data();
+      if (k1 > 0) dot_logits(n, k1, z.H, qb.data(), k + z.kv_offset(b, kh, z.H), ks, z.scale, s, kp);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = r % z.T;
+        lse[(b * z.N + heads[r]) * z.T + t] = k1 > 0 ? softmax_row(s + r * kp, kp, z.limit(b, t)) : -INFINITY;
+      }
+      if (k1 > 0) gemm(n, z.Hv, k1, s, kp, 1, v + z.kv_offset(b, kh, z.Hv), vs, PANEL, 1.f, false, ob.data(), z.Hv);
+      else std::fill(ob.begin(), ob.end(), 0.f);
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(o + (b * z.T + r % z.T) * os + heads[r] * z.Hv, ob.data() + r * z.Hv, z.Hv * sizeof(float));
+    }
+  }
+}
+
 void forward(const Shape& z, const float* q, const float* k, const float* v, float* o, float* lse) {
-  const int64_t qs = z.N * z.H, ks = z.K * z.H, vs = z.K * z.Hv, os = z.N * z.Hv;
+  if (z.T <= z.bq && z.task_rows() <= FEW_ROWS) return forward_few(z, q, k, v, o, lse);
+  const int64_t qs = z.N * z.H, ks = z.kv_stride(z.H), vs = z.kv_stride(z.Hv), os = z.N * z.Hv;
   const int64_t nqb = z.blocks(), parts = z.parts(), tasks = z.B * z.K * parts, G = z.G();
 #pragma omp parallel
   {
@@ -280,8 +383,8 @@ void forward(const Shape& z, const float* q, const float* k, const float* v, flo
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
       const int64_t kb = z.reach(b, 0, z.T);  // keys any query of the row sees: only they are packed
-      pack_t(k + b * z.S * ks + kh * z.H, ks, kb, z.H, kt.data());
-      pack_rows(v + b * z.S * vs + kh * z.Hv, vs, kb, z.Hv, vr.data());
+      pack_t(k + z.kv_offset(b, kh, z.H), ks, kb, z.H, kt.data());
+      pack_rows(v + z.kv_offset(b, kh, z.Hv), vs, kb, z.Hv, vr.data());
       for (int64_t piece = part; piece < G * nqb; piece += parts) {
         const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;  // longest blocks first
         {
@@ -299,29 +402,7 @@ void forward(const Shape& z, const float* q, const float* k, const float* v, flo
           float* s = logits.data();
           gemm(qn, kp, z.H, q + (b * z.T + q0) * qs + h * z.H, qs, 1, kt.data(), PANEL, PANEL * z.H, z.scale, false,
                s, kp);
-          for (int64_t r = 0; r < qn; ++r) {
-            float* row = s + r * kp;
-            const int64_t lim = z.limit(b, q0 + r);
-            vf mv = vset(-INFINITY);
-            for (int64_t j = 0; j < kp; j += W) mv = max_where(mv, below(j, lim), vload(row + j));
-            const float m = hmax(mv);
-            if (lim == 0 || m == -INFINITY) {
-              std::memset(row, 0, kp * sizeof(float));
-              lp[r] = -INFINITY;
-              continue;
-            }
-            const vf mm = vset(m);
-            vf lv = vzero();
-            for (int64_t j = 0; j < kp; j += W) {
-              const vf e = keep(below(j, lim), vexp(vsub(vload(row + j), mm)));
-              vstore(row + j, e);
-              lv = vadd(lv, e);
-            }
-            const float l = hsum(lv);
-            const vf inv = vset(1.f / l);
-            for (int64_t j = 0; j < lim; j += W) vstore(row + j, vmul(vload(row + j), inv));
-            lp[r] = m + std::log(l);
-          }
+          for (int64_t r = 0; r < qn; ++r) lp[r] = softmax_row(s + r * kp, kp, z.limit(b, q0 + r));
           gemm(qn, z.Hv, k1, s, kp, 1, vr.data(), z.Hv, PANEL, 1.f, false, op, os);
         }
       }
@@ -331,7 +412,7 @@ void forward(const Shape& z, const float* q, const float* k, const float* v, flo
 
 void backward(const Shape& z, const float* q, const float* k, const float* v, const float* o, const float* lse,
               const float* dout, const float* dlse, float* dq, float* dk, float* dv) {
-  const int64_t qs = z.N * z.H, ks = z.K * z.H, vs = z.K * z.Hv, os = z.N * z.Hv;
+  const int64_t qs = z.N * z.H, ks = z.kv_stride(z.H), vs = z.kv_stride(z.Hv), os = z.N * z.Hv;
   const int64_t nqb = z.blocks(), parts = z.parts(), tasks = z.B * z.K * parts, G = z.G();
   // With several parts a unit, each part sums its dK and dV into rows of its own (S x (H + Hv)
   // floats), added into dk and dv once every part is done; with one, straight into dk and dv.
@@ -344,9 +425,9 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t part = task % parts, kh = task / parts % z.K, b = task / parts / z.K;
-      const float* kp0 = k + b * z.S * ks + kh * z.H;
-      float* dkp = parts > 1 ? partial.data() + task * z.S * (z.H + z.Hv) : dk + b * z.S * ks + kh * z.H;
-      float* dvp = parts > 1 ? dkp + z.S * z.H : dv + b * z.S * vs + kh * z.Hv;
+      const float* kp0 = k + z.kv_offset(b, kh, z.H);
+      float* dkp = parts > 1 ? partial.data() + task * z.S * (z.H + z.Hv) : dk + z.kv_offset(b, kh, z.H);
+      float* dvp = parts > 1 ? dkp + z.S * z.H : dv + z.kv_offset(b, kh, z.Hv);
       const int64_t dks = parts > 1 ? z.H : ks, dvs = parts > 1 ? z.Hv : vs;
       for (int64_t j = 0; j < z.S; ++j) {
         std::memset(dkp + j * dks, 0, z.H * sizeof(float));
@@ -355,7 +436,7 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
       const int64_t kb = z.reach(b, 0, z.T);  // keys any query of the row sees: only they are packed
       pack_t(kp0, ks, kb, z.H, kt.data());
       pack_rows(kp0, ks, kb, z.H, kr.data());
-      pack_t(v + b * z.S * vs + kh * z.Hv, vs, kb, z.Hv, vt.data());
+      pack_t(v + z.kv_offset(b, kh, z.Hv), vs, kb, z.Hv, vt.data());
       for (int64_t piece = part; piece < G * nqb; piece += parts) {
         const int64_t h = kh * G + piece / nqb, i = nqb - 1 - piece % nqb;
         {
@@ -407,8 +488,8 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
       for (int64_t unit = 0; unit < z.B * z.K; ++unit) {
         const int64_t kh = unit % z.K, b = unit / z.K;
         for (int64_t j = 0; j < z.S; ++j) {
-          float* dkr = dk + (b * z.S + j) * ks + kh * z.H;
-          float* dvr = dv + (b * z.S + j) * vs + kh * z.Hv;
+          float* dkr = dk + z.kv_offset(b, kh, z.H) + j * ks;
+          float* dvr = dv + z.kv_offset(b, kh, z.Hv) + j * vs;
           std::memset(dkr, 0, z.H * sizeof(float));
           std::memset(dvr, 0, z.Hv * sizeof(float));
           for (int64_t part = 0; part < parts; ++part) {
