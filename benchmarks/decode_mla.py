@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import cpu
-from benchmarks.decode import STEPS, filled, flax_steps, machine, report, timed_rows, torch_steps, write
+from benchmarks.decode import STEPS, filled, flax_steps, report, timed_rows, torch_steps, write
 
 SHAPES = dict(d_model=2048, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 THETA = 10000.0

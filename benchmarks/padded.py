@@ -9,7 +9,11 @@ with respect to queries, keys and values):
 * ``gpt2``: GPT-2-small's core, 8 x 12 heads of 64 x 1,024 tokens, causal, lengths
   1,024 / 1,000 / 900 / 800 / 700 / 1,024 / 512 / 1,024;
 * ``gqa-2048``: 2 x 12 query heads over 4 key/value heads of 64 x 2,048 tokens, no causal mask
-  (an encoder), lengths 2,048 / 1,948.
+  (an encoder), lengths 2,048 / 1,948;
+* ``decode-b1``, ``decode-b8``: a decoding step's call, forward only: one query per sequence
+  (12 heads of 64) against a buffer of 8,192 key slots of which only the first ones are in
+  use (``key_value_seq_lengths`` alone): batch 1 with 1,024 in use; batch 8 with 1,024 / 900 /
+  1,024 / 700 / 1,024 / 512 / 1,024 / 1,000.
 
 Contenders:
 
@@ -43,8 +47,15 @@ CELLS = {
     "gpt2": dict(batch=8, heads=12, kv_heads=12, tokens=1024, head_dim=64, causal=True,
                  lengths=(1024, 1000, 900, 800, 700, 1024, 512, 1024)),
     "gqa-2048": dict(batch=2, heads=12, kv_heads=4, tokens=2048, head_dim=64, causal=False, lengths=(2048, 1948)),
+    # queries: one query a sequence against `tokens` key slots, key lengths only, forward only
+    "decode-b1": dict(batch=1, heads=12, kv_heads=12, tokens=8192, queries=1, head_dim=64, causal=False,
+                      lengths=(1024,)),
+    "decode-b8": dict(batch=8, heads=12, kv_heads=12, tokens=8192, queries=1, head_dim=64, causal=False,
+                      lengths=(1024, 900, 1024, 700, 1024, 512, 1024, 1000)),
 }
-SMOKE_CELLS = {"smoke": dict(batch=2, heads=2, kv_heads=1, tokens=48, head_dim=16, causal=True, lengths=(48, 30))}
+SMOKE_CELLS = {"smoke": dict(batch=2, heads=2, kv_heads=1, tokens=48, head_dim=16, causal=True, lengths=(48, 30)),
+               "smoke-decode": dict(batch=2, heads=2, kv_heads=1, tokens=48, queries=1, head_dim=16, causal=False,
+                                    lengths=(40, 7))}
 MODES = ("forward", "forward+backward")
 
 
@@ -61,31 +72,33 @@ def contenders(cell: dict, mode: str, seed: int = 0) -> dict:
     from flax_attn.core.call import describe
     from torch_ref.compare import max_rel_error
 
-    B, N, K, T, H = cell["batch"], cell["heads"], cell["kv_heads"], cell["tokens"], cell["head_dim"]
+    B, N, K, S, H = cell["batch"], cell["heads"], cell["kv_heads"], cell["tokens"], cell["head_dim"]
+    T = cell.get("queries", S)  # fewer queries than keys: key lengths only (a decoding step)
     lengths = np.asarray(cell["lengths"], np.int32)
     if lengths.shape != (B,):
         raise ValueError(f"cell lengths must have one entry per sequence ({B}), got {lengths.shape}")
     rng = np.random.default_rng(seed)
     q, dout = (rng.standard_normal((B, T, N, H), dtype=np.float32) for _ in range(2))
-    k, v = (rng.standard_normal((B, T, K, H), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, S, K, H), dtype=np.float32) for _ in range(2))
     jq, jk, jv, jd, jl = map(jnp.asarray, (q, k, v, dout, lengths))
     kw = dict(is_causal=cell["causal"])
-    auto = registry.choose(describe(jq, jk, jv, query_seq_lengths=jl, key_value_seq_lengths=jl, **kw)).name
+    padding = lambda n: dict(key_value_seq_lengths=n, **({} if T != S else {"query_seq_lengths": n}))  # noqa: E731
+    auto = registry.choose(describe(jq, jk, jv, **padding(jl), **kw)).name
     runs = {}
     for label, impl in ((f"flax_attn (auto: {auto})", None), ("flax_attn (blockwise)", "blockwise")):
         core = functools.partial(fa.dot_product_attention, **kw, implementation=impl)
-        forward = jax.jit(lambda q, k, v, n, core=core: core(q, k, v, query_seq_lengths=n, key_value_seq_lengths=n))
+        forward = jax.jit(lambda q, k, v, n, core=core: core(q, k, v, **padding(n)))
         if mode == "forward":
             runs[label] = functools.partial(forward, jq, jk, jv, jl)
         else:
             grads = jax.jit(jax.grad(lambda q, k, v, d, n, f=forward: jnp.sum(f(q, k, v, n) * d), argnums=(0, 1, 2)))
             runs[label] = functools.partial(grads, jq, jk, jv, jd, jl)
 
-    t = np.arange(T)
-    real = t[None, :] < lengths[:, None]                                  # (B, T)
-    allowed = real[:, :, None] & real[:, None, :]
+    t = np.arange(S)
+    real = t[None, :] < lengths[:, None]                                  # (B, S)
+    allowed = (real[:, :, None] if T == S else np.ones((B, T, 1), bool)) & real[:, None, :]
     if cell["causal"]:
-        allowed &= t[:, None] >= t[None, :]
+        allowed &= t[S - T:, None] >= t[None, :]
     allowed = torch.from_numpy(allowed[:, None])
     heads_first = lambda x, grad=False: torch.from_numpy(x).transpose(1, 2).contiguous().requires_grad_(grad)
     tq, tk, tv = (heads_first(x, grad=mode != "forward") for x in (q, k, v))
@@ -94,8 +107,7 @@ def contenders(cell: dict, mode: str, seed: int = 0) -> dict:
 
     with torch.no_grad():
         want = sdpa(tq, tk, tv).transpose(1, 2).numpy()
-    got = np.asarray(jax.jit(lambda q, k, v, n: fa.dot_product_attention(
-        q, k, v, **kw, query_seq_lengths=n, key_value_seq_lengths=n))(jq, jk, jv, jl))
+    got = np.asarray(jax.jit(lambda q, k, v, n: fa.dot_product_attention(q, k, v, **kw, **padding(n)))(jq, jk, jv, jl))
     err = max_rel_error(got, want)
     if not err <= 1e-5:
         raise AssertionError(f"flax_attn and PyTorch disagree on the padded cell: relative error {err:.1e}")
@@ -116,7 +128,7 @@ def run(repeats: int = 10, cells: dict = CELLS) -> list[dict]:
     """One row per cell, mode and contender: seconds and the ratio to PyTorch's."""
     rows = []
     for name, cell in cells.items():
-        for mode in MODES:
+        for mode in MODES if "queries" not in cell else MODES[:1]:
             seconds = time_in_turns(contenders(cell, mode), repeats)
             for label, s in seconds.items():
                 rows.append({"cell": name, "mode": mode, "contender": label, "seconds": s,

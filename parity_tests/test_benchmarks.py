@@ -294,9 +294,10 @@ def test_core_benchmark_refuses_products_that_disagree_and_follows_the_library_p
 
 
 def test_padded_benchmark_checks_agreement_and_names_the_automatic_choice(tmp_path):
-    """``python -m benchmarks.padded --smoke`` in process: every contender timed in both modes,
-    flax_attn's output checked against PyTorch's before timing, the automatic choice named (the
-    compiled kernel where it runs: it serves lengths), the result file written."""
+    """``python -m benchmarks.padded --smoke`` in process: every contender timed in both modes
+    (forward only for a decoding step's cell), flax_attn's output checked against PyTorch's
+    before timing, the automatic choice named (the compiled kernel where it runs: it serves
+    lengths), the result file written."""
     import json
 
     from benchmarks import padded
@@ -306,9 +307,10 @@ def test_padded_benchmark_checks_agreement_and_names_the_automatic_choice(tmp_pa
     padded.main(["--smoke", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     autos = {r["contender"] for r in rows if r["contender"].startswith("flax_attn (auto: ")}
-    assert len(autos) == 1 and len(rows) == 3 * len(padded.MODES)
-    assert {(r["mode"], r["contender"]) for r in rows} == {
-        (mode, name) for mode in padded.MODES for name in (*autos, "flax_attn (blockwise)", "torch SDPA + mask")}
+    assert len(autos) == 1 and len(rows) == 3 * (len(padded.MODES) + 1)
+    assert {(r["cell"], r["mode"], r["contender"]) for r in rows} == {
+        (cell, mode, name) for cell, modes in (("smoke", padded.MODES), ("smoke-decode", ("forward",)))
+        for mode in modes for name in (*autos, "flax_attn (blockwise)", "torch SDPA + mask")}
     if native.unavailable() is None:
         assert autos == {"flax_attn (auto: cpu_native)"}
     assert all(r["seconds"] > 0 for r in rows)
