@@ -12,14 +12,7 @@ import torch_ref as tr
 from flax_attn.core import Blockwise
 from conftest import DTYPES, assert_close, run_parity
 
-# (block_q, block_k)
-BLOCKS = {"8-8": (8, 8), "16-8": (16, 8), "7-6": (7, 6)}
 SMALL = Blockwise(block_q=8, block_k=8)
-
-
-def small(name="8-8"):
-    bq, bk = BLOCKS[name]
-    return Blockwise(block_q=bq, block_k=bk)
 
 
 def _case(name, B=2, T=37, S=37, N=4, K=2, H=8, Hv=8, seed=0):
@@ -97,7 +90,9 @@ def _check_blockwise(feature, shape, heads, dtype, impl=SMALL):
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 # Every feature with every shape, and every pair of (feature, heads) and (shape, heads), in 24
 # cases instead of the 72 of the full product (the heads turn with the shape and the feature).
-# The conformance suite crosses the tiny-block blockwise path with the features once more.
+# Other block shapes and dtypes: the conformance suite crosses the blockwise path with the
+# features again, against its float64 reference, with blocks of 7 x 6 everywhere and 8 x 4
+# (query blocks a multiple of the key blocks) in its feature cases, in float32 and bfloat16 too.
 PAIRWISE = [pytest.param(feature, shape, HEADS[h], id=f"{feature}-{shape}-{h}")
             for i, feature in enumerate(FEATURES) for j, shape in enumerate(sorted(SHAPES))
             for h in [list(HEADS)[(i + j) % len(HEADS)]]]
@@ -106,17 +101,6 @@ PAIRWISE = [pytest.param(feature, shape, HEADS[h], id=f"{feature}-{shape}-{h}")
 @pytest.mark.parametrize("feature, shape, heads", PAIRWISE)
 def test_blockwise_equals_reference(feature, shape, heads):
     _check_blockwise(feature, shape, heads, np.float64)
-
-
-@pytest.mark.parametrize("feature", FEATURES)
-def test_blockwise_equals_reference_float32(feature):
-    _check_blockwise(feature, "T<S", (4, 2), np.float32)
-
-
-@pytest.mark.parametrize("blocks, shape", [("16-8", "T<S"), ("7-6", "T>S")])
-@pytest.mark.parametrize("feature", FEATURES)
-def test_blockwise_equals_reference_other_blocks(feature, blocks, shape):
-    _check_blockwise(feature, shape, (4, 2), np.float64, small(blocks))
 
 
 def test_blockwise_value_dim_and_unbatched():
