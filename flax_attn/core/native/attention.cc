@@ -338,9 +338,10 @@ void dot_logits(int64_t n, int64_t k1, int64_t H, const float* q, const float* k
   }
 }
 
-// The forward pass where the queries fit one block and a task has few rows (T <= bq, task_rows() <= FEW_ROWS): a task's rows
-// (its query heads' T queries) take their logits against the keys where they lie, one row of
-// weights each, and one product with the values where they lie.
+// The forward pass where the queries fit one block and a task has few rows (T <= bq,
+// task_rows() <= FEW_ROWS): a task's rows (its query heads' T queries each) take their logits
+// against the keys where they lie, one row of weights each, and one product with the values
+// where they lie.
 void forward_few(const Shape& z, const float* q, const float* k, const float* v, float* o, float* lse) {
   const int64_t qs = z.N * z.H, ks = z.kv_stride(z.H), vs = z.kv_stride(z.Hv), os = z.N * z.Hv;
   const int64_t parts = z.parts(), tasks = z.B * z.K * parts, G = z.G(), rows = z.task_rows();
