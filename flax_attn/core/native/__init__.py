@@ -21,10 +21,9 @@ multiples of 16, the scale. Every row sees a prefix of the keys, so a block of q
 its logits against the longest prefix any of its rows sees; keys past it are never read, so
 the caller does not zero padding for it. Where the queries are few (a decoding step: at most 16
 query rows a task), the keys and values are read where they lie instead of packed first.
-Refused, each by name: other
-dtypes, a bias, boolean masks, explicit positions, segment ids, windows, chunks, soft-capping,
-sinks, score and mask rules, dropout, returned weights, symbolic shapes. ``return_residual`` is
-served.
+Refused, each by name: other dtypes, a bias, boolean masks, explicit positions, segment ids,
+windows, chunks, soft-capping, sinks, score and mask rules, dropout, returned weights, symbolic
+shapes. ``return_residual`` is served.
 
 **Derivatives and transformations.** Every order of both modes, under ``jit``, ``vmap`` and
 ``checkpoint``. Reverse mode runs the kernel's backward entry point (the weights recomputed
