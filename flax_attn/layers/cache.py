@@ -15,12 +15,15 @@ copy of the cache is made) and attends over the cache: unwritten slots are maske
 segment id -1, and causal and window masks compare the stored positions, so nothing is
 concatenated and no mask is rebuilt beyond the ``(B, 1, T, S)`` comparison of positions. The
 layer also tells the attention core how many slots are written (``min(length, max_len)``, as
-lengths whose slots past them hold zeros, never NaN): on CPU a decoding step then visits only
-the key blocks in use while at most half the cache is filled (``implementation='key_blocks'``),
-so a cache allocated for the longest generation costs what it holds, not its capacity
-(though more than a cache of its fill's size, whose step reads it in one pass: each visited
-block is copied out of the cache first; :meth:`KVCache.reserve` grows a cache with its tokens
-instead, at a compilation of the step per size).
+lengths whose slots past them hold zeros, never NaN), so a cache allocated for the longest
+generation costs what it holds, not its capacity: on CPU a float32 one-token step over a
+``'BKSH'`` or ``'BSKH'`` cache takes the compiled kernel (``implementation='cpu_native'``),
+which reads the written slots where they lie; other steps (another dtype, head dims that are
+not multiples of 16, a ``'blocks'`` cache, a chunk of tokens) visit only the key blocks in use
+while at most half the cache is filled (``implementation='key_blocks'``; each visited block
+is copied out of the cache first, so more than a cache of its fill's size costs;
+:meth:`KVCache.reserve` grows a cache with its tokens instead, at a compilation of the step
+per size).
 
 A linear cache (the default) holds ``max_len`` tokens and raises on overflow. A rolling cache
 (``rolling=True``) overwrites its oldest slots: for sliding-window attention it needs only

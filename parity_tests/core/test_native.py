@@ -65,6 +65,23 @@ CASES = [
          dict(query_seq_lengths=np.array([2, 4], np.int32)), dtype=np.float32),
     # causal with T > S: the first two queries see nothing
     Case("few-causal-T>S", (2, 5, 3, 2, 1, 16, 16), dict(is_causal=True), dtype=np.float32),
+    # Positions and windows, served where a key/value head has at most 16 query rows: a KV cache's
+    # decoding step. Keys in shuffled order, some out of every query's reach (a cache's slots of
+    # other segments), a window, a row whose keys end early, one without keys.
+    Case("few-positions-window-gqa", (3, 1, 60, 8, 2, 16, 16),
+         dict(is_causal=True, local_window_size=(12, 0), query_positions=np.array([[40], [59], [7]], np.int32),
+              key_positions=np.stack([np.random.default_rng(i).permutation(60) for i in range(3)]).astype(np.int32)
+              + np.where(np.arange(60) % 7 == 3, 1 << 30, 0).astype(np.int32),
+              key_value_seq_lengths=np.array([60, 33, 0], np.int32)), dtype=np.float32),
+    # causal over explicit positions, four queries (T x G = 8 rows), heads of 64: a query before
+    # every key of its row sees nothing
+    Case("few-positions-causal-T=4", (2, 4, 70, 4, 2, 64, 64),
+         dict(is_causal=True, query_positions=np.array([[3, 30, 31, 90], [-5, 10, 50, 69]], np.int32),
+              key_positions=np.arange(70, dtype=np.int32)[None].repeat(2, 0) * np.array([[1], [2]], np.int32)),
+         dtype=np.float32),
+    # a two-sided window over the default positions, no causal rule, multi-query
+    Case("few-window-default-positions", (2, 2, 30, 4, 1, 16, 16), dict(local_window_size=(5, 3)),
+         dtype=np.float32),
 ]
 
 
@@ -78,6 +95,23 @@ def test_the_kernel_builds_and_loads_here(isa):
 def test_outputs_and_gradients_match_the_float64_reference(block_q, isa):
     failures, declines = check_cases(CpuNative(block_q=block_q, isa=isa), CASES)
     assert not declines and not failures, failures + declines
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("block_q", [64, 7])
+def test_keys_stored_heads_major_are_read_where_they_lie(block_q, isa):
+    """Under ``keys_stored('BKSH')`` (a KV cache of that order, as the layers declare it) the
+    kernel reads keys and values as ``(B K, S, .)`` (the transposes on either side cancel):
+    the same cases against the float64 reference, gradients included; one key/value head needs
+    no reordering."""
+    impl = CpuNative(block_q=block_q, isa=isa)
+    with tuning.keys_stored("BKSH"):
+        failures, declines = check_cases(impl, CASES)
+        q, k = jnp.ones((1, 3, 4, 16), jnp.float32), jnp.ones((1, 9, 2, 16), jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda q, k: fa.dot_product_attention(q, k, k, implementation=impl))(q, k))
+        single = str(jax.make_jaxpr(lambda q, k: fa.dot_product_attention(q, k, k, implementation=impl))(q, k[:, :, :1]))
+    assert not declines and not failures, failures + declines
+    assert "heads_major=True" in jaxpr and "heads_major=False" in single
 
 
 TRANSFORMS = {
@@ -94,10 +128,16 @@ TRANSFORMS = {
 }
 
 
+TRANSFORM_SHAPE = (2, 12, 17, 2, 1, 16, 16)
 TRANSFORM_MASKS = {
-    "causal": dict(is_causal=True),
-    "causal-lengths": dict(is_causal=True, query_seq_lengths=np.array([12, 7], np.int32),
-                           key_value_seq_lengths=np.array([9, 17], np.int32)),
+    "causal": (TRANSFORM_SHAPE, dict(is_causal=True)),
+    "causal-lengths": (TRANSFORM_SHAPE, dict(is_causal=True, query_seq_lengths=np.array([12, 7], np.int32),
+                                             key_value_seq_lengths=np.array([9, 17], np.int32))),
+    # a decoding step's positions and window (reverse mode through the query-block path)
+    "step-positions-window": ((2, 2, 17, 4, 2, 16, 16), dict(
+        is_causal=True, local_window_size=(6, 0), query_positions=np.array([[9, 10], [15, 16]], np.int32),
+        key_positions=np.arange(17, dtype=np.int32)[None].repeat(2, 0)[:, ::-1].copy(),
+        key_value_seq_lengths=np.array([17, 12], np.int32))),
 }
 
 
@@ -109,8 +149,8 @@ def test_transformations_match_the_reference(transform, mask):
     of the float64 reference on the same float32 inputs: relative 1e-5. Reverse mode runs the
     kernel's backward; forward mode and higher orders differentiate the query-block path. Under
     vmap the lengths stay those of each batch row."""
-    kw = TRANSFORM_MASKS[mask]
-    case = Case("transform", (2, 12, 17, 2, 1, 16, 16), kw, dtype=np.float32)
+    shape, kw = TRANSFORM_MASKS[mask]
+    case = Case("transform", shape, kw, dtype=np.float32)
     args, cot = case_args(case)
     apply = TRANSFORMS[transform]
     f = lambda q, k, v: fa.dot_product_attention(q, k, v, **kw, implementation="cpu_native")
@@ -239,8 +279,13 @@ REFUSED = {
     "bfloat16": (dict(dtype=jnp.bfloat16), "dtype bfloat16"),
     "head dim 8": (dict(H=8), "head dims H=8"),
     "value head dim 24": (dict(Hv=24), "Hv=24"),
-    "window": (dict(local_window_size=(3, 0)), "the mask rule 'window'"),
-    "positions": (dict(query_positions=np.arange(64), key_positions=np.arange(64)), "the mask rule 'q_positions'"),
+    # positions and windows are served in a decoding step only: here 64 queries x 2 query heads a key head
+    "window": (dict(local_window_size=(3, 0)), "a window with 128 query rows a key/value head"),
+    "positions": (dict(query_positions=np.arange(64), key_positions=np.arange(64), is_causal=True),
+                  "explicit positions with 128 query rows a key/value head"),
+    "positions, 17 rows": (dict(T=17, N=2, K=2, query_positions=np.arange(17), key_positions=np.arange(64),
+                                is_causal=True), "explicit positions with 17 query rows"),
+    "chunks": (dict(mask=fa.masks.causal() & fa.masks.chunked(8)), "the mask rule 'chunk'"),
     "segments": (dict(query_segment_ids=np.zeros((2, 64), np.int32), key_segment_ids=np.zeros((2, 64), np.int32)),
                  "the mask rule 'q_segments'"),
     "boolean mask": (dict(mask=np.ones((64, 64), bool)), "the mask rule 'dense'"),
@@ -259,8 +304,8 @@ def test_refusals_say_what_is_not_served(what):
 
 
 def test_calls_naming_it_for_what_it_refuses_raise_with_the_reason(monkeypatch):
-    q = jnp.ones((1, 8, 2, 16), jnp.float32)
-    with pytest.raises(ValueError, match=r"implementation='cpu_native' does not support the mask rule 'window'"):
+    q = jnp.ones((1, 40, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"implementation='cpu_native' does not support a window with 40 query rows"):
         fa.dot_product_attention(q, q, q, local_window_size=(2, 0), implementation="cpu_native")
     _cpu_with(monkeypatch, AVX2_ONLY)
     with pytest.raises(ValueError, match=r"does not support this CPU for the avx512 build \(it lacks avx512f"):
@@ -277,12 +322,17 @@ def test_the_automatic_choice_takes_it_for_the_float32_calls_it_serves_on_cpu():
                            ).name == "cpu_native"
     assert registry.choose(_call(T=1, S=256, is_causal=True, key_value_seq_lengths=np.array([100, 256]))
                            ).name == "cpu_native"
-    # keys of a KV cache stored in another order would reach the kernel only through a copy
-    for layout, block in (("BKSH", None), ("blocks", 16)):
-        with tuning.keys_stored(layout, block):
-            assert registry.choose(_call(T=1, S=256, key_value_seq_lengths=np.array([100, 256]))).name != "cpu_native"
-    with tuning.keys_stored("BSKH"):
-        assert registry.choose(_call(T=1, S=256, key_value_seq_lengths=np.array([100, 256]))).name == "cpu_native"
+    # a KV cache's 'blocks' would reach the kernel only through a transposed copy; the others it reads in place
+    with tuning.keys_stored("blocks", 16):
+        assert registry.choose(_call(T=1, S=256, key_value_seq_lengths=np.array([100, 256]))).name != "cpu_native"
+    for layout in ("BSKH", "BKSH"):
+        with tuning.keys_stored(layout):
+            assert registry.choose(_call(T=1, S=256, key_value_seq_lengths=np.array([100, 256]))).name == "cpu_native"
+    # a layer's decoding step: positions (the cache's slots), a window, lengths; not for 17 rows
+    step = dict(is_causal=True, local_window_size=(63, 0), query_positions=np.array([[100], [7]]),
+                key_positions=np.arange(256)[None].repeat(2, 0), key_value_seq_lengths=np.array([101, 8]))
+    assert registry.choose(_call(T=1, S=256, N=8, K=2, **step)).name == "cpu_native"
+    assert registry.choose(_call(T=1, S=256, N=17, K=1, **step)).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, dtype=jnp.float64, is_causal=True)).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, local_window_size=(8, 0))).name != "cpu_native"
     assert registry.choose(_call(T=128, S=128, platform="gpu", is_causal=True)).name != "cpu_native"

@@ -137,6 +137,42 @@ def test_blocks_layout_steps_read_and_write_the_cache_in_place():
                 op == "fusion" and ("dynamic-update-slice" in name or "scatter" in name)), (shape, op, name)
 
 
+@pytest.mark.skipif(fa.core.native.unavailable() is not None, reason="the compiled CPU kernel cannot run here")
+@pytest.mark.parametrize("layout", ["BKSH", "BSKH"])
+@pytest.mark.parametrize("cfg", [{"num_kv_heads": 2}, {"num_kv_heads": 2, "sliding_window": 5}], ids=["gqa", "window"])
+def test_steps_attend_through_the_kernel_over_the_cache_where_it_lies(layout, cfg):
+    """On CPU a float32 decoding step over a ``'BKSH'`` or ``'BSKH'`` cache is served by the
+    compiled kernel (its logits compared by the cache's positions): equal to the full pass, and
+    its compiled program makes no array of the cache's size but the in-place update (the
+    kernel reads a ``'BKSH'`` cache as it is stored, ``(B K, S, H)``; a reshape between the
+    update and the kernel would be fused with the update into a copy of the cache)."""
+    B, S, T, d, heads = 2, 24, 12, 64, 4  # heads of 16, as the kernel needs
+    config = fa.AttentionConfig(d_model=d, num_heads=heads, **cfg)
+    layer = fa.Attention(config)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((B, T, d)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(T) + 5, (B, T))
+    params = layer.init(jax.random.key(3), x, positions)
+    full = jax.jit(layer.apply)(params, x, positions)
+    step = fa.decode_step(layer)
+    cache = layer.init_cache(B, S, layout=layout)
+    out, cache = step(params, cache, x[:, :7], positions[:, :7])
+    pieces = [out]
+    for t in range(7, T):
+        out, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])
+        pieces.append(out)
+    assert_close(jnp.concatenate(pieces, axis=1), full, np.float32, f"kernel steps over a {layout} cache")
+    hlo = step.jitted.lower(params, cache, x[:, :1], positions[:, :1], None).compile().as_text()
+    assert re.search(r'custom_call_target="flax_attn_cpu_\w+_forward"', hlo), "the step runs the kernel"
+    K, H = config.kv_heads, d // heads
+    sized = {f"f32[{B},{S},{K},{H}]", f"f32[{B * K},{S},{H}]", f"f32[{B},{K},{S},{H}]"}
+    made = [(shape, op, name) for name, shape, op in re.findall(r"%(\S+) = (f32\[[\d,]+\])\S* ([\w-]+)\(", hlo)
+            if shape in sized]
+    assert made, "the cache's arrays are in the program"
+    for shape, op, name in made:
+        assert op in ("parameter", "get-tuple-element", "tuple", "bitcast", "dynamic-update-slice") or (
+            op == "fusion" and "dynamic-update-slice" in name), (shape, op, name)
+
+
 def test_blocks_layout_needs_whole_blocks():
     with pytest.raises(ValueError, match=r"max_len=10 is not a multiple of block=4 \(take max_len=12"):
         fa.KVCache.create(batch=1, max_len=10, num_kv_heads=1, head_dim=8, layout="blocks", block=4)

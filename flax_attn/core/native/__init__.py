@@ -20,10 +20,14 @@ lengths (``query_seq_lengths``, ``key_value_seq_lengths``: padding), head dims t
 multiples of 16, the scale. Every row sees a prefix of the keys, so a block of queries computes
 its logits against the longest prefix any of its rows sees; keys past it are never read, so
 the caller does not zero padding for it. Where the queries are few (a decoding step: at most 16
-query rows a task), the keys and values are read where they lie instead of packed first.
-Refused, each by name: other dtypes, a bias, boolean masks, explicit positions, segment ids,
-windows, chunks, soft-capping, sinks, score and mask rules, dropout, returned weights, symbolic
-shapes. ``return_residual`` is served.
+query rows a task), the keys and values are read where they lie instead of packed first. In a
+decoding step (at most :data:`FEW_ROWS` query rows a key/value head, ``T x N/K``) it also serves
+explicit positions and windows: each logit is compared by positions, as a KV cache's layer step
+asks; its reverse mode then differentiates the query-block path in JAX. Keys and values stored
+``(B K, S, .)`` (a ``'BKSH'`` KV cache, declared by the layer) are read where they lie.
+Refused, each by name: other dtypes, a bias, boolean masks, explicit positions and windows
+beyond a decoding step, segment ids, chunks, soft-capping, sinks, score and mask rules,
+dropout, returned weights, symbolic shapes. ``return_residual`` is served.
 
 **Derivatives and transformations.** Every order of both modes, under ``jit``, ``vmap`` and
 ``checkpoint``. Reverse mode runs the kernel's backward entry point (the weights recomputed
@@ -68,6 +72,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from flax_attn.core import mask as mask_lib
 from flax_attn.core import tuning
 from flax_attn.core.registry import Implementation, Result, refuses_dropout_and_weights
 
@@ -188,54 +193,98 @@ def unavailable(isa: Optional[str] = None) -> Optional[str]:
 # ---------------------------------------------------------------------------- the primitives
 #
 # Three primitives carry the kernel through JAX's transformations; ``p`` is their parameters
-# (causal, scale, block_q and the build's isa), ``res`` the residuals ``q, k, v, q_len, kv_len,
-# out, lse`` (the lengths (B,) int32, never differentiated):
+# (causal, scale, block_q, the build's isa, heads_major, positions and window), ``res`` the
+# residuals ``q, k, v, q_len, kv_len, q_pos, k_pos, out, lse`` (the lengths (B,) and positions
+# (B, T) / (B, S) int32, never differentiated; without ``positions`` the positions are (B, 1)
+# placeholders):
 #
-#   forward_p(q, k, v, q_len, kv_len)   -> out, lse          the kernel's forward entry point
-#   tangent_p(*res, dq, dk, dv)         -> dout, dlse        linear in dq, dk, dv (pure JAX)
-#   backward_p(*res, ct_out, ct_lse)    -> ct_q, ct_k, ct_v  linear in ct_out, ct_lse: the kernel's
-#                                                            backward entry point
+#   forward_p(q, k, v, q_len, kv_len, q_pos, k_pos) -> out, lse   the kernel's forward entry point
+#   tangent_p(*res, dq, dk, dv)      -> dout, dlse        linear in dq, dk, dv (pure JAX)
+#   backward_p(*res, ct_out, ct_lse) -> ct_q, ct_k, ct_v  linear in ct_out, ct_lse: the kernel's
+#                                                         backward entry point (with positions,
+#                                                         the query-block path's, in JAX)
 #
 # forward_p's JVP is forward_p and tangent_p; tangent_p and backward_p are each other's
 # transposes, so reverse mode runs the two kernel entry points and forward mode the tangent in
 # JAX. The JVPs of tangent_p and backward_p (second and higher derivatives) differentiate the
 # query-block path's own derivatives in JAX. Every rule treats out and lse as the functions of
 # q, k and v that they are. Under vmap the mapped axis joins the batch axis (each batch row is
-# independent), so the kernel runs once.
+# independent), so the kernel runs once. Keys and values are always (B, S, K, .) here;
+# ``heads_major`` makes the kernel read them transposed, (B K, S, .), as a 'BKSH' KV cache
+# stores them: XLA then cancels the layer's transpose of the cache against the kernel's.
+
+RESIDUALS = 9  # q, k, v, q_len, kv_len, q_pos, k_pos, out, lse
+# A decoding step's rows: the kernel serves positions and windows where a key/value head has at
+# most this many query rows (T x N/K); it reads keys and values where they lie for them.
+FEW_ROWS = 16
 
 
 def _attrs(p: dict) -> dict:
-    return dict(causal=np.int64(p["causal"]), scale=np.float32(p["scale"]), block_q=np.int64(p["block_q"]))
+    return dict(causal=np.int64(p["causal"]), scale=np.float32(p["scale"]), block_q=np.int64(p["block_q"]),
+                heads_major=np.int64(p["heads_major"]))
 
 
-def _kernel_forward(q, k, v, q_len, kv_len, **p):
+def _heads_major(p: dict, *xs):
+    """``xs`` (B, S, K, .) as the kernel reads them: with ``heads_major`` transposed to ``(B K, S,
+    .)``, the shape of a ``'BKSH'`` cache's arrays (so that XLA hands the kernel the cache
+    itself: a reshape in between would be fused with the cache's update into a copy)."""
+    if not p["heads_major"]:
+        return list(xs)
+    return [jnp.swapaxes(x, 1, 2).reshape((-1,) + (x.shape[1], x.shape[3])) for x in xs]
+
+
+def _heads_major_back(p: dict, B: int, *xs):
+    """The inverse of :func:`_heads_major`: ``(B K, S, .)`` back to ``(B, S, K, .)``."""
+    if not p["heads_major"]:
+        return list(xs)
+    return [jnp.swapaxes(x.reshape((B, -1) + x.shape[1:]), 1, 2) for x in xs]
+
+
+def _bounds(p: dict) -> dict:
+    """The positions' rule as the kernel's attributes: key s is seen where ``-upper <= q_pos -
+    k_pos[s] <= lower`` (:attr:`flax_attn.core.mask.Mask.bounds`; no limit: 2**62)."""
+    m = mask_lib.Mask(causal=p["causal"], window=p["window"])
+    lower, upper = (b if b < mask_lib.FAR else 1 << 62 for b in m.bounds)
+    return dict(positions=np.int64(p["positions"]), lower=np.int64(lower), upper=np.int64(upper))
+
+
+def _kernel_forward(q, k, v, q_len, kv_len, q_pos, k_pos, **p):
     B, T, N, _ = q.shape
     shapes = (jax.ShapeDtypeStruct((B, T, N, v.shape[3]), jnp.float32), jax.ShapeDtypeStruct((B, N, T), jnp.float32))
-    return jax.ffi.ffi_call(TARGETS[p["isa"]]["forward"], shapes)(q, k, v, q_len, kv_len, **_attrs(p))
+    k, v = _heads_major(p, k, v)
+    return jax.ffi.ffi_call(TARGETS[p["isa"]]["forward"], shapes)(q, k, v, q_len, kv_len, q_pos, k_pos,
+                                                                  **_attrs(p), **_bounds(p))
 
 
-def _kernel_backward(q, k, v, q_len, kv_len, out, lse, ct_out, ct_lse, **p):
+def _kernel_backward(q, k, v, q_len, kv_len, q_pos, k_pos, out, lse, ct_out, ct_lse, **p):
+    if p["positions"]:  # the kernel's backward pass has no positions
+        return _reference_backward(q, k, v, q_len, kv_len, q_pos, k_pos, out, lse, ct_out, ct_lse, **p)
+    k, v = _heads_major(p, k, v)
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    return jax.ffi.ffi_call(TARGETS[p["isa"]]["backward"], shapes)(q, k, v, q_len, kv_len, out, lse, ct_out, ct_lse,
-                                                                   **_attrs(p))
+    ct_q, ct_k, ct_v = jax.ffi.ffi_call(TARGETS[p["isa"]]["backward"], shapes)(
+        q, k, v, q_len, kv_len, out, lse, ct_out, ct_lse, **_attrs(p))
+    return [ct_q, *_heads_major_back(p, q.shape[0], ct_k, ct_v)]
 
 
-def _reference(q, k, v, q_len, kv_len, **p):
+def _reference(q, k, v, q_len, kv_len, q_pos, k_pos, **p):
     """``(out, lse (B, N, T))`` by the query-block path, which every transformation and order serves."""
     from flax_attn.core.attention import dot_product_attention
 
+    positions = dict(query_positions=q_pos, key_positions=k_pos) if p["positions"] else {}
     out, lse = dot_product_attention(q, k, v, is_causal=p["causal"], scale=p["scale"], return_residual=True,
                                      query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-                                     implementation="query_blocks")
+                                     local_window_size=p["window"], **positions, implementation="query_blocks")
     return out, jnp.transpose(lse, (0, 2, 1))
 
 
-def _reference_tangent(q, k, v, q_len, kv_len, out, lse, dq, dk, dv, **p):
-    return jax.jvp(lambda q, k, v: _reference(q, k, v, q_len, kv_len, **p), (q, k, v), (dq, dk, dv))[1]
+def _reference_tangent(q, k, v, q_len, kv_len, q_pos, k_pos, out, lse, dq, dk, dv, **p):
+    return jax.jvp(lambda q, k, v: _reference(q, k, v, q_len, kv_len, q_pos, k_pos, **p), (q, k, v),
+                   (dq, dk, dv))[1]
 
 
-def _reference_backward(q, k, v, q_len, kv_len, out, lse, ct_out, ct_lse, **p):
-    return jax.vjp(lambda q, k, v: _reference(q, k, v, q_len, kv_len, **p), q, k, v)[1]((ct_out, ct_lse))
+def _reference_backward(q, k, v, q_len, kv_len, q_pos, k_pos, out, lse, ct_out, ct_lse, **p):
+    return jax.vjp(lambda q, k, v: _reference(q, k, v, q_len, kv_len, q_pos, k_pos, **p), q, k, v)[1](
+        (ct_out, ct_lse))
 
 
 def _primitive(name: str, function, shapes):
@@ -254,14 +303,14 @@ def _jitted(function, params: tuple):
     return jax.jit(functools.partial(function, **dict(params)))
 
 
-def _forward_shapes(q, k, v, q_len, kv_len):
+def _forward_shapes(q, k, v, q_len, kv_len, q_pos, k_pos):
     B, T, N, _ = q.shape
     return (B, T, N, v.shape[3]), (B, N, T)
 
 
 forward_p = _primitive("flax_attn_cpu_native_forward", _kernel_forward, _forward_shapes)
-tangent_p = _primitive("flax_attn_cpu_native_tangent", _reference_tangent, lambda q, k, v, ql, kl, out, lse, *_: (
-    out.shape, lse.shape))
+tangent_p = _primitive("flax_attn_cpu_native_tangent", _reference_tangent,
+                       lambda q, k, v, ql, kl, qp, kp, out, lse, *_: (out.shape, lse.shape))
 backward_p = _primitive("flax_attn_cpu_native_backward", _kernel_backward, lambda q, k, v, *_: (
     q.shape, k.shape, v.shape))
 
@@ -282,14 +331,14 @@ def _forward_jvp(primals, tangents, **p):
 
 
 def _transposer(linear_to, outputs_like):
-    """The transpose rule of a primitive whose arguments after the seven residuals are linear: their
+    """The transpose rule of a primitive whose arguments after the residuals are linear: their
     cotangents are ``linear_to`` bound on the residuals and the cotangents of the primitive's
     results (shaped as the residuals ``outputs_like`` picks, e.g. ``out, lse``)."""
     def transpose(cts, *args, **p):
-        res, linear = args[:7], args[7:]
+        res, linear = args[:RESIDUALS], args[RESIDUALS:]
         assert not any(ad.is_undefined_primal(x) for x in res), "the residuals are never linear inputs"
         got = linear_to.bind(*res, *_dense(cts, [res[i] for i in outputs_like]), **p)
-        return [None] * 7 + [g if ad.is_undefined_primal(x) else None for g, x in zip(got, linear)]
+        return [None] * RESIDUALS + [g if ad.is_undefined_primal(x) else None for g, x in zip(got, linear)]
     return transpose
 
 
@@ -316,29 +365,49 @@ def _batched(prim):
 ad.primitive_jvps[forward_p] = _forward_jvp
 ad.primitive_jvps[tangent_p] = _jvp_in_jax(_reference_tangent)
 ad.primitive_jvps[backward_p] = _jvp_in_jax(_reference_backward)
-ad.primitive_transposes[tangent_p] = _transposer(backward_p, (5, 6))   # results: dout, dlse
+ad.primitive_transposes[tangent_p] = _transposer(backward_p, (7, 8))   # results: dout, dlse
 ad.primitive_transposes[backward_p] = _transposer(tangent_p, (0, 1, 2))  # results: ct_q, ct_k, ct_v
 for _prim in (forward_p, tangent_p, backward_p):
     batching.primitive_batchers[_prim] = _batched(_prim)
 
 
 def attend(q, k, v, *, causal: bool, scale: float, block_q: int, isa: Optional[str] = None, q_len=None,
-           kv_len=None):
+           kv_len=None, q_pos=None, k_pos=None, window: Optional[tuple] = None, heads_major: bool = False):
     """``(out (B, T, N, Hv), lse (B, N, T))`` of float32 ``q`` ``(B, T, N, H)``, ``k`` ``(B, S, K,
     H)``, ``v`` ``(B, S, K, Hv)`` through the kernel's build for ``isa`` (None: :func:`best_isa`),
-    which must be loaded (:func:`unavailable`). ``q_len``, ``kv_len``: ``(B,)`` integer lengths
-    (queries from ``q_len[b]`` on see nothing, keys from ``kv_len[b]`` on are never seen); None:
-    every query and key."""
+    which must be loaded (:func:`unavailable`).
+
+    ``q_len``, ``kv_len``: ``(B,)`` integer lengths (queries from ``q_len[b]`` on see nothing,
+    keys from ``kv_len[b]`` on are never read); None: every query and key. ``q_pos`` ``(B|1,
+    T)``, ``k_pos`` ``(B|1, S)``: integer positions that the causal rule and ``window`` (``(left,
+    right)``, :func:`flax_attn.core.mask.window`) compare (a side not given: the default
+    positions, keys at ``0..S-1`` and queries at the last T of them); served where a key/value
+    head has at most :data:`FEW_ROWS` query rows (``ValueError`` otherwise). ``heads_major``:
+    the kernel reads keys and values transposed, ``(B K, S, .)`` (the same results; free where
+    they are a transposed view of such an array, as of a ``'BKSH'`` KV cache)."""
     _check_isa(isa)
     isa = isa or best_isa()
     reason = unavailable(isa)
     if reason:
         raise RuntimeError(f"the compiled CPU kernel cannot run: it does not support {reason}")
-    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    B, T, N = q.shape[:3]
+    S, K = k.shape[1], k.shape[2]
     lengths = [jnp.full((B,), n, jnp.int32) if x is None else jnp.asarray(x, jnp.int32) for x, n in
                ((q_len, T), (kv_len, S))]
-    return tuple(forward_p.bind(q, k, v, *lengths, causal=bool(causal), scale=float(scale), block_q=int(block_q),
-                                isa=isa))
+    window = None if window is None else tuple(int(w) for w in window)
+    positions = (causal or window is not None) and (q_pos is not None or k_pos is not None or window is not None)
+    if positions:
+        if T * (N // K) > FEW_ROWS:
+            raise ValueError(f"the kernel serves positions and windows where a key/value head has at most {FEW_ROWS} "
+                             f"query rows (T x N/K), got T={T}, N={N}, K={K}")
+        default = lambda n, first: jnp.arange(first, first + n, dtype=jnp.int32)[None]  # noqa: E731
+        q_pos, k_pos = [jnp.broadcast_to(default(n, first) if x is None else jnp.asarray(x, jnp.int32), (B, n))
+                        for x, n, first in ((q_pos, T, S - T), (k_pos, S, 0))]
+    else:
+        q_pos = k_pos = jnp.zeros((B, 1), jnp.int32)
+    return tuple(forward_p.bind(q, k, v, *lengths, q_pos, k_pos, causal=bool(causal), scale=float(scale),
+                                block_q=int(block_q), isa=isa, heads_major=bool(heads_major) and K > 1,
+                                positions=bool(positions), window=window))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,12 +452,12 @@ class CpuNative(Implementation):
         Calls with lengths too, a decoding step's included: a task reads only the keys its rows
         see, and a few query rows read them where they lie. On a 2-core Intel Xeon of family 6,
         model 207, 12 heads of 64, float32, one query over 1,024 of 8,192 keys: 0.21 ms (batch
-        1) and 1.6 ms (batch 8) through the kernel, against 1.6 and 14.5 ms in key blocks. Not
-        under a declared KV cache layout (:func:`flax_attn.core.tuning.keys_stored`): the kernel
-        takes keys ``(B, S, K, H)`` as they are, and would read a ``'BKSH'`` or ``'blocks'``
-        cache only after a transposed copy."""
+        1) and 1.6 ms (batch 8) through the kernel, against 1.6 and 14.5 ms in key blocks. Over
+        a KV cache declared ``'BSKH'`` or ``'BKSH'`` (:func:`flax_attn.core.tuning.keys_stored`;
+        the kernel reads either where it lies), not ``'blocks'``, which it would read only after a
+        transposed copy of the whole cache."""
         return (call.platform == "cpu" and min(call.T, call.S) >= self.min_length and jax.device_count() == 1
-                and tuning.keys_stored_as() in (None, "BSKH"))
+                and tuning.keys_stored_as() in (None, "BSKH", "BKSH"))
 
     def supports(self, call) -> Optional[str]:
         reason = refuses_dropout_and_weights(call)
@@ -406,16 +475,29 @@ class CpuNative(Implementation):
         if call.H % 16 or call.Hv % 16:
             return f"head dims H={call.H}, Hv={call.Hv} (multiples of 16 only)"
         m = call.mask
+        rows = call.T * (call.N // call.K)
+        few = rows <= FEW_ROWS and call.T <= self.block_q
+        served = ("causal", "shape", "kv_finite", "q_lengths", "kv_lengths")  # kv_finite: a promise
         for field in dataclasses.fields(m):
-            if field.name in ("causal", "shape", "kv_finite", "q_lengths", "kv_lengths"):  # kv_finite: a promise
+            if field.name in served:
                 continue
             value = getattr(m, field.name)
-            if not (value is None or value is False or (isinstance(value, tuple) and not value)):
-                return (f"the mask rule '{field.name}' (the kernel serves causal masking by default positions and "
-                        "lengths only)")
+            if value is None or value is False or (isinstance(value, tuple) and not value):
+                continue
+            if field.name in ("q_positions", "k_positions", "window"):
+                if few or not m.uses_positions:  # positions without a causal or window rule: unused
+                    continue
+                return (f"{'a window' if field.name == 'window' else 'explicit positions'} with {rows} query rows "
+                        f"a key/value head (T x N/K; the kernel serves positions and windows in a decoding step, "
+                        f"up to {FEW_ROWS} rows and block_q={self.block_q} queries)")
+            return (f"the mask rule '{field.name}' (the kernel serves causal masking, windows where the queries are "
+                    "few, and lengths only)")
         return unavailable(self.isa)
 
     def __call__(self, call, query, key, value, dropout_rng) -> Result:
-        out, lse = attend(query, key, value, causal=call.mask.causal, scale=call.scale, block_q=self.block_q,
-                          isa=self.isa, q_len=call.mask.q_lengths, kv_len=call.mask.kv_lengths)
+        m = call.mask
+        out, lse = attend(query, key, value, causal=m.causal, scale=call.scale, block_q=self.block_q,
+                          isa=self.isa, q_len=m.q_lengths, kv_len=m.kv_lengths, q_pos=m.q_positions,
+                          k_pos=m.k_positions, window=m.window,
+                          heads_major=tuning.keys_stored_as() == "BKSH")
         return Result(out=out, lse=jnp.transpose(lse, (0, 2, 1)) if call.return_residual else None)

@@ -5,7 +5,8 @@
 //   out = softmax(scale * Q K^T [masked]) V          queries (B, T, N, H), keys (B, S, K, H),
 //   lse = log sum exp(scale * Q K^T [masked])        values (B, S, K, Hv), out (B, T, N, Hv),
 //                                                    lse (B, N, T); G = N / K query heads a key head;
-//                                                    lengths q_len, kv_len (B,) int32
+//                                                    lengths q_len, kv_len (B,) int32; heads_major:
+//                                                    keys (B K, S, H), values (B K, S, Hv)
 //
 // The backward pass takes the cotangents of both out and lse: with P the weights,
 //   dS = P (dO V^T - rowsum(dO O) + dlse),  dQ = scale dS K,  dK = scale dS^T Q,  dV = P^T dO.
@@ -13,6 +14,9 @@
 // Every row sees a prefix of the keys: query t of batch row b sees keys s < kv_len[b] (and, causal,
 // s <= t + S - T: aligned at the end); queries t >= q_len[b] see none. A row that sees no key
 // gets zeros and lse = -inf. H and Hv are multiples of 16; everything else is float32.
+// With positions (forward only, where the queries are few: see forward_few), the causal and window
+// rules compare q_pos (B, T) and k_pos (B, S) int32 instead: query t sees key s < kv_len[b] where
+// -upper <= q_pos[b, t] - k_pos[b, s] <= lower.
 //
 // Work is split into (batch row, key/value head) units over OpenMP threads (a unit's query heads and
 // blocks dealt to several tasks where there are too few units for the threads). A task packs its keys
@@ -247,15 +251,30 @@ struct Shape {
   float scale;
   int64_t bq;
   const int32_t *q_len, *kv_len;  // (B,)
+  bool heads_major;  // keys and values (B K, S, .) instead of (B, S, K, .)
+  const int32_t *q_pos = nullptr, *k_pos = nullptr;  // (B, T), (B, S): the rules' positions, or none
+  int64_t lower = 0, upper = 0;  // with positions: key s seen where -upper <= q_pos - k_pos <= lower
   int64_t G() const { return N / K; }
   // Key or value j (D floats) of unit (b, kh) at kv_offset(b, kh, D) + j kv_stride(D).
-  int64_t kv_stride(int64_t D) const { return K * D; }
-  int64_t kv_offset(int64_t b, int64_t kh, int64_t D) const { return b * S * K * D + kh * D; }
-  // keys query t of batch row b may see: [0, limit(b, t))
+  int64_t kv_stride(int64_t D) const { return heads_major ? D : K * D; }
+  int64_t kv_offset(int64_t b, int64_t kh, int64_t D) const {
+    return heads_major ? (b * K + kh) * S * D : b * S * K * D + kh * D;
+  }
+  // keys query t of batch row b may see: [0, limit(b, t)) (with positions, a superset: the
+  // positions' rule is applied to each logit)
   int64_t limit(int64_t b, int64_t t) const {
     if (t >= q_len[b]) return 0;
     const int64_t keys = std::clamp<int64_t>(kv_len[b], 0, S);
-    return std::max<int64_t>(0, causal ? std::min(keys, t + (S - T) + 1) : keys);
+    return std::max<int64_t>(0, causal && !q_pos ? std::min(keys, t + (S - T) + 1) : keys);
+  }
+  // With positions: -inf for the first k1 logits s (of query t of batch row b) the rules block.
+  void block_by_positions(int64_t b, int64_t t, int64_t k1, float* s) const {
+    const int64_t p = q_pos[b * T + t];
+    const int32_t* kp = k_pos + b * S;
+    for (int64_t j = 0; j < k1; ++j) {
+      const int64_t d = p - kp[j];
+      if (d > lower || d < -upper) s[j] = -INFINITY;
+    }
   }
   // keys some query of the block [q0, q0 + qn) of batch row b may see: [0, reach(b, q0, qn)),
   // the limit of its last query that has any (limit grows with t up to q_len[b], then is 0)
@@ -339,7 +358,7 @@ void dot_logits(int64_t n, int64_t k1, int64_t H, const float* q, const float* k
 }
 
 // The forward pass where the queries fit one block and a task has few rows (T <= bq,
-// task_rows() <= FEW_ROWS): a task's rows (its query heads' T queries each) take their logits
+// task_rows() <= FEW_ROWS), and every call with positions: a task's rows (its query heads' T queries each) take their logits
 // against the keys where they lie, one row of weights each, and one product with the values
 // where they lie.
 void forward_few(const Shape& z, const float* q, const float* k, const float* v, float* o, float* lse) {
@@ -363,6 +382,7 @@ void forward_few(const Shape& z, const float* q, const float* k, const float* v,
       if (k1 > 0) dot_logits(n, k1, z.H, qb.data(), k + z.kv_offset(b, kh, z.H), ks, z.scale, s, kp);
       for (int64_t r = 0; r < n; ++r) {
         const int64_t t = r % z.T;
+        if (z.q_pos && k1 > 0) z.block_by_positions(b, t, k1, s + r * kp);
         lse[(b * z.N + heads[r]) * z.T + t] = k1 > 0 ? softmax_row(s + r * kp, kp, z.limit(b, t)) : -INFINITY;
       }
       if (k1 > 0) gemm(n, z.Hv, k1, s, kp, 1, v + z.kv_offset(b, kh, z.Hv), vs, PANEL, 1.f, false, ob.data(), z.Hv);
@@ -374,7 +394,7 @@ void forward_few(const Shape& z, const float* q, const float* k, const float* v,
 }
 
 void forward(const Shape& z, const float* q, const float* k, const float* v, float* o, float* lse) {
-  if (z.T <= z.bq && z.task_rows() <= FEW_ROWS) return forward_few(z, q, k, v, o, lse);
+  if (z.q_pos || (z.T <= z.bq && z.task_rows() <= FEW_ROWS)) return forward_few(z, q, k, v, o, lse);
   const int64_t qs = z.N * z.H, ks = z.kv_stride(z.H), vs = z.kv_stride(z.Hv), os = z.N * z.Hv;
   const int64_t nqb = z.blocks(), parts = z.parts(), tasks = z.B * z.K * parts, G = z.G();
 #pragma omp parallel
@@ -506,26 +526,38 @@ void backward(const Shape& z, const float* q, const float* k, const float* v, co
 
 ffi::Error shape_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
                     ffi::Buffer<ffi::S32>& q_len, ffi::Buffer<ffi::S32>& kv_len, int64_t causal, float scale,
-                    int64_t block_q, Shape* z) {
+                    int64_t block_q, int64_t heads_major, Shape* z) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
-    return ffi::Error::InvalidArgument("query, key and value must be 4-dimensional");
-  *z = Shape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3], causal != 0, scale, block_q, q_len.typed_data(),
-             kv_len.typed_data()};
-  if (kd[0] != z->B || vd[0] != z->B || vd[1] != z->S || vd[2] != z->K || kd[3] != z->H || z->K == 0 ||
-      z->N % z->K != 0 || z->H % 16 != 0 || z->Hv % 16 != 0 || block_q <= 0 ||
-      q_len.element_count() != size_t(z->B) || kv_len.element_count() != size_t(z->B))
+  const size_t kv_rank = heads_major ? 3 : 4;  // heads_major: (B K, S, .), as a KV cache stores them
+  if (qd.size() != 4 || kd.size() != kv_rank || vd.size() != kv_rank)
+    return ffi::Error::InvalidArgument("query must be 4-dimensional, key and value 4-dimensional, or 3 heads_major");
+  const int64_t B = qd[0], S = kd[1], K = heads_major ? (B > 0 ? kd[0] / B : 0) : kd[2];
+  *z = Shape{B, qd[1], S, qd[2], K, qd[3], vd[kv_rank - 1], causal != 0, scale, block_q, q_len.typed_data(),
+             kv_len.typed_data(), heads_major != 0};
+  const bool kv_lead = heads_major ? kd[0] == B * K && vd[0] == B * K : kd[0] == B && vd[0] == B && vd[2] == K;
+  if (!kv_lead || vd[1] != S || kd[kv_rank - 1] != z->H || K == 0 || z->N % K != 0 || z->H % 16 != 0 ||
+      z->Hv % 16 != 0 || block_q <= 0 || q_len.element_count() != size_t(B) || kv_len.element_count() != size_t(B))
     return ffi::Error::InvalidArgument("shapes outside the kernel's contract");
   return ffi::Error::Success();
 }
 
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                   ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len,
-                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t causal, float scale,
-                   int64_t block_q) {
+                   ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> q_pos,
+                   ffi::Buffer<ffi::S32> k_pos, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                   int64_t causal, float scale, int64_t block_q, int64_t heads_major, int64_t positions,
+                   int64_t lower, int64_t upper) {
   Shape z;
-  ffi::Error e = shape_of(q, k, v, q_len, kv_len, causal, scale, block_q, &z);
+  ffi::Error e = shape_of(q, k, v, q_len, kv_len, causal, scale, block_q, heads_major, &z);
   if (e.failure()) return e;
+  if (positions) {
+    if (q_pos.element_count() != size_t(z.B * z.T) || k_pos.element_count() != size_t(z.B * z.S) || lower < 0 ||
+        upper < 0)
+      return ffi::Error::InvalidArgument("positions outside the kernel's contract");
+    z.q_pos = q_pos.typed_data();
+    z.k_pos = k_pos.typed_data();
+    z.lower = lower;
+    z.upper = upper;
+  }
   forward(z, q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(), lse->typed_data());
   return ffi::Error::Success();
 }
@@ -534,9 +566,9 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
                     ffi::Buffer<ffi::S32> q_len, ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::F32> out,
                     ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout, ffi::Buffer<ffi::F32> dlse,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
-                    int64_t causal, float scale, int64_t block_q) {
+                    int64_t causal, float scale, int64_t block_q, int64_t heads_major) {
   Shape z;
-  ffi::Error e = shape_of(q, k, v, q_len, kv_len, causal, scale, block_q, &z);
+  ffi::Error e = shape_of(q, k, v, q_len, kv_len, causal, scale, block_q, heads_major, &z);
   if (e.failure()) return e;
   backward(z, q.typed_data(), k.typed_data(), v.typed_data(), out.typed_data(), lse.typed_data(), dout.typed_data(),
            dlse.typed_data(), dq->typed_data(), dk->typed_data(), dv->typed_data());
@@ -552,11 +584,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttnCpuForward, Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("causal")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q"));
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("heads_major")
+                                  .Attr<int64_t>("positions")
+                                  .Attr<int64_t>("lower")
+                                  .Attr<int64_t>("upper"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttnCpuBackward, Backward,
                               ffi::Ffi::Bind()
@@ -574,4 +612,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttnCpuBackward, Backward,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("causal")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("block_q"));
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("heads_major"));
