@@ -102,16 +102,17 @@ def test_outputs_and_gradients_match_the_float64_reference(block_q, isa):
 def test_keys_stored_heads_major_are_read_where_they_lie(block_q, isa):
     """Under ``keys_stored('BKSH')`` (a KV cache of that order, as the layers declare it) the
     kernel reads keys and values as ``(B K, S, .)`` (the transposes on either side cancel):
-    the same cases against the float64 reference, gradients included; one key/value head needs
-    no reordering."""
+    the same cases against the float64 reference, gradients included (one key/value head
+    too: then ``(B, S, .)``)."""
     impl = CpuNative(block_q=block_q, isa=isa)
+    q, k = jnp.ones((1, 3, 4, 16), jnp.float32), jnp.ones((1, 9, 2, 16), jnp.float32)
+    jaxpr = lambda k: str(jax.make_jaxpr(  # noqa: E731
+        lambda q, k: fa.dot_product_attention(q, k, k, implementation=impl))(q, k))
     with tuning.keys_stored("BKSH"):
         failures, declines = check_cases(impl, CASES)
-        q, k = jnp.ones((1, 3, 4, 16), jnp.float32), jnp.ones((1, 9, 2, 16), jnp.float32)
-        jaxpr = str(jax.make_jaxpr(lambda q, k: fa.dot_product_attention(q, k, k, implementation=impl))(q, k))
-        single = str(jax.make_jaxpr(lambda q, k: fa.dot_product_attention(q, k, k, implementation=impl))(q, k[:, :, :1]))
+        stored = [jaxpr(k), jaxpr(k[:, :, :1])]
     assert not declines and not failures, failures + declines
-    assert "heads_major=True" in jaxpr and "heads_major=False" in single
+    assert all("heads_major=True" in j for j in stored) and "heads_major=False" in jaxpr(k)
 
 
 TRANSFORMS = {

@@ -139,7 +139,8 @@ def test_blocks_layout_steps_read_and_write_the_cache_in_place():
 
 @pytest.mark.skipif(fa.core.native.unavailable() is not None, reason="the compiled CPU kernel cannot run here")
 @pytest.mark.parametrize("layout", ["BKSH", "BSKH"])
-@pytest.mark.parametrize("cfg", [{"num_kv_heads": 2}, {"num_kv_heads": 2, "sliding_window": 5}], ids=["gqa", "window"])
+@pytest.mark.parametrize("cfg", [{"num_kv_heads": 2}, {"num_kv_heads": 2, "sliding_window": 5}, {"num_kv_heads": 1}],
+                         ids=["gqa", "window", "mqa"])
 def test_steps_attend_through_the_kernel_over_the_cache_where_it_lies(layout, cfg):
     """On CPU a float32 decoding step over a ``'BKSH'`` or ``'BSKH'`` cache is served by the
     compiled kernel (its logits compared by the cache's positions): equal to the full pass, and
@@ -164,7 +165,7 @@ def test_steps_attend_through_the_kernel_over_the_cache_where_it_lies(layout, cf
     hlo = step.jitted.lower(params, cache, x[:, :1], positions[:, :1], None).compile().as_text()
     assert re.search(r'custom_call_target="flax_attn_cpu_\w+_forward"', hlo), "the step runs the kernel"
     K, H = config.kv_heads, d // heads
-    sized = {f"f32[{B},{S},{K},{H}]", f"f32[{B * K},{S},{H}]", f"f32[{B},{K},{S},{H}]"}
+    sized = {f"f32[{B},{S},{K},{H}]", f"f32[{B * K},{S},{H}]", f"f32[{B},{K},{S},{H}]", f"f32[{B},{S},{H}]"}
     made = [(shape, op, name) for name, shape, op in re.findall(r"%(\S+) = (f32\[[\d,]+\])\S* ([\w-]+)\(", hlo)
             if shape in sized]
     assert made, "the cache's arrays are in the program"

@@ -6,6 +6,7 @@ Hugging Face names, and errors."""
 import contextlib
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -221,6 +222,40 @@ def test_decoding_over_a_large_cache_by_key_blocks(absorb):
         outs.append(out)
     assert_close(jnp.concatenate(outs, axis=1), full, np.float64, "key-block steps vs full pass")
     np.testing.assert_array_equal(np.asarray(cache.latent[1, 20]), 0.0)  # the padded step cached zeros
+
+
+@pytest.mark.skipif(fa.core.native.unavailable() is not None, reason="the compiled CPU kernel cannot run here")
+def test_absorbed_steps_read_the_latent_cache_in_place_through_the_kernel():
+    """On CPU an absorbed float32 decoding step attends over the latent cache through the
+    compiled kernel (one latent head of r_kv + d_r = 32, the cache's positions): equal to the
+    full pass, and its compiled program makes no array of the cache's size but the in-place
+    update (the kernel is handed the cache's own buffer, ``(B, S, r_kv + d_r)``; a reshape
+    between the update and the kernel would be fused with the update into a copy)."""
+    config = MLAConfig(d_model=32, num_heads=4, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                       v_head_dim=8, absorb=True)
+    layer = MultiHeadLatentAttention(config)
+    B, S, T = 2, 40, 9
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((B, T, 32)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    params = layer.init(jax.random.key(4), x, positions)
+    full = jax.jit(layer.apply)(params, x, positions)
+    step = fa.decode_step(layer)
+    cache = layer.init_cache(B, S)
+    out, cache = step(params, cache, x[:, :5], positions[:, :5])
+    outs = [out]
+    for t in range(5, T):
+        out, cache = step(params, cache, x[:, t:t + 1], positions[:, t:t + 1])
+        outs.append(out)
+    assert_close(jnp.concatenate(outs, axis=1), full, np.float32, "absorbed kernel steps vs full pass")
+    hlo = step.jitted.lower(params, cache, x[:, :1], positions[:, :1], None).compile().as_text()
+    assert re.search(r'custom_call_target="flax_attn_cpu_\w+_forward"', hlo), "the step runs the kernel"
+    sized = {f"f32[{B},{S},32]", f"f32[{B},{S},1,32]", f"f32[{B},1,{S},32]"}
+    made = [(op, name) for name, shape, op in re.findall(r"%(\S+) = (f32\[[\d,]+\])\S* ([\w-]+)\(", hlo)
+            if shape in sized]
+    assert made, "the cache's arrays are in the program"
+    for op, name in made:
+        assert op in ("parameter", "get-tuple-element", "tuple", "bitcast", "dynamic-update-slice") or (
+            op == "fusion" and "dynamic-update-slice" in name), (op, name)
 
 
 def test_cache_memory_per_token():

@@ -384,7 +384,10 @@ def attend(q, k, v, *, causal: bool, scale: float, block_q: int, isa: Optional[s
     positions, keys at ``0..S-1`` and queries at the last T of them); served where a key/value
     head has at most :data:`FEW_ROWS` query rows (``ValueError`` otherwise). ``heads_major``:
     the kernel reads keys and values transposed, ``(B K, S, .)`` (the same results; free where
-    they are a transposed view of such an array, as of a ``'BKSH'`` KV cache)."""
+    they are a transposed view of such an array, as of a ``'BKSH'`` KV cache: XLA then hands
+    the kernel the cache's own buffer, where a reshape in between would be fused with the
+    cache's update into a copy of the cache; so with one key/value head too, as ``(B, S, .)``,
+    the shape of a ``'BKSH'`` or latent cache of one head)."""
     _check_isa(isa)
     isa = isa or best_isa()
     reason = unavailable(isa)
@@ -406,7 +409,7 @@ def attend(q, k, v, *, causal: bool, scale: float, block_q: int, isa: Optional[s
     else:
         q_pos = k_pos = jnp.zeros((B, 1), jnp.int32)
     return tuple(forward_p.bind(q, k, v, *lengths, q_pos, k_pos, causal=bool(causal), scale=float(scale),
-                                block_q=int(block_q), isa=isa, heads_major=bool(heads_major) and K > 1,
+                                block_q=int(block_q), isa=isa, heads_major=bool(heads_major),
                                 positions=bool(positions), window=window))
 
 
