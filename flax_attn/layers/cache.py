@@ -41,7 +41,8 @@ makes no copy of the cache. ``layout='BSKH'`` stores ``(B, S, K, H)``, the order
 (:mod:`flax_attn.core.key_blocks`) then cut and regroup the slots in use block by block
 however full the cache, where the plain pass would transpose all of it every step (on a CPU
 with AVX-512 both read it where it lies instead, against block-diagonal queries); still
-slower than ``'BKSH'`` once the cache is mostly full (``benchmarks/decode.py`` measures both).
+slower than ``'BKSH'`` there once the cache is mostly full (``benchmarks/decode.py`` measures
+both). The compiled kernel reads either layout where it lies.
 ``layout='blocks'`` stores ``(S // block, B*K, block, H)``: block-major, each block of
 ``block`` slots (default :data:`BLOCK`, 128) of every (batch row, key/value head) one
 contiguous array, so that the key blocks copy each block in use out of the cache as one
