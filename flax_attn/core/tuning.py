@@ -331,8 +331,9 @@ _KEYS_STORED: contextvars.ContextVar = contextvars.ContextVar("flax_attn_keys_st
 def keys_stored(layout: Optional[str], block: Optional[int] = None):
     """Declares, while attention is traced, how the ``(B, S, K, H)`` keys and values it is given
     are stored, for the forms that read a KV cache where it lies (the key blocks of
-    :mod:`flax_attn.core.key_blocks`, and the plain path's block-diagonal queries for keys not
-    in that order, :func:`flax_attn.core.numerics.reads_heads_in_place`): ``'BKSH'`` as
+    :mod:`flax_attn.core.key_blocks`, the plain path's block-diagonal queries for keys not in
+    that order, :func:`flax_attn.core.numerics.reads_heads_in_place`, and the compiled CPU
+    kernel, :mod:`flax_attn.core.native`, which takes ``'BKSH'`` keys in that shape): ``'BKSH'`` as
     ``(B*K, S, H)`` seen through a transpose
     (:class:`flax_attn.KVCache`'s default layout), ``'blocks'`` as ``(S // block, B*K, block,
     H)`` seen through a transpose (a block-major cache: each block of every unit one contiguous
