@@ -358,9 +358,9 @@ void dot_logits(int64_t n, int64_t k1, int64_t H, const float* q, const float* k
 }
 
 // The forward pass where the queries fit one block and a task has few rows (T <= bq,
-// task_rows() <= FEW_ROWS), and every call with positions: a task's rows (its query heads' T queries each) take their logits
-// against the keys where they lie, one row of weights each, and one product with the values
-// where they lie.
+// task_rows() <= FEW_ROWS), and every call with positions: a task's rows (its query heads' T
+// queries each) take their logits against the keys where they lie, one row of weights each, and
+// one product with the values where they lie.
 void forward_few(const Shape& z, const float* q, const float* k, const float* v, float* o, float* lse) {
   const int64_t qs = z.N * z.H, ks = z.kv_stride(z.H), vs = z.kv_stride(z.Hv), os = z.N * z.Hv;
   const int64_t parts = z.parts(), tasks = z.B * z.K * parts, G = z.G(), rows = z.task_rows();
@@ -530,7 +530,7 @@ ffi::Error shape_of(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buf
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const size_t kv_rank = heads_major ? 3 : 4;  // heads_major: (B K, S, .), as a KV cache stores them
   if (qd.size() != 4 || kd.size() != kv_rank || vd.size() != kv_rank)
-    return ffi::Error::InvalidArgument("query must be 4-dimensional, key and value 4-dimensional, or 3 heads_major");
+    return ffi::Error::InvalidArgument("query must be 4-dimensional, key and value 4 (3 with heads_major)");
   const int64_t B = qd[0], S = kd[1], K = heads_major ? (B > 0 ? kd[0] / B : 0) : kd[2];
   *z = Shape{B, qd[1], S, qd[2], K, qd[3], vd[kv_rank - 1], causal != 0, scale, block_q, q_len.typed_data(),
              kv_len.typed_data(), heads_major != 0};
