@@ -403,9 +403,8 @@ def attend(q, k, v, *, causal: bool, scale: float, block_q: int, isa: Optional[s
         if T * (N // K) > FEW_ROWS:
             raise ValueError(f"the kernel serves positions and windows where a key/value head has at most {FEW_ROWS} "
                              f"query rows (T x N/K), got T={T}, N={N}, K={K}")
-        default = lambda n, first: jnp.arange(first, first + n, dtype=jnp.int32)[None]  # noqa: E731
-        q_pos, k_pos = [jnp.broadcast_to(default(n, first) if x is None else jnp.asarray(x, jnp.int32), (B, n))
-                        for x, n, first in ((q_pos, T, S - T), (k_pos, S, 0))]
+        q_pos, k_pos = [jnp.broadcast_to(default if x is None else jnp.asarray(x, jnp.int32), (B, n))
+                        for x, default, n in zip((q_pos, k_pos), mask_lib.default_positions(T, S), (T, S))]
     else:
         q_pos = k_pos = jnp.zeros((B, 1), jnp.int32)
     return tuple(forward_p.bind(q, k, v, *lengths, q_pos, k_pos, causal=bool(causal), scale=float(scale),
